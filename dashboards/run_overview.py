@@ -1,0 +1,270 @@
+"""*timwatch — Run overview*: every SPEC §4 signal for the selected runs.
+
+Where a quantity exists both as an additive series and as a last-batch gauge, the panel shows
+both: the additive form (``rate`` of sums over counts) is exact across sidecars and smooths over
+the window; the gauge is what the last batch of one sidecar said.
+"""
+
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as dashboard_b
+
+from dashboards.common import (
+    RUN,
+    IdAllocator,
+    base_dashboard,
+    mask_ratio_window,
+    rate_sum,
+    ratio_of_rates,
+    stat,
+    timeseries,
+)
+
+__all__ = ["UID", "build"]
+
+UID = "timwatch-run"
+
+KL_WINDOW = ratio_of_rates("timwatch_token_kl_sum", "timwatch_token_kl_count")
+# Window IS-ratio moments from the additive summaries: E[r] = Σr/N, E[r²] = Σr²/N.
+_R1 = ratio_of_rates("timwatch_token_is_ratio_sum", "timwatch_tokens_total")
+_R2 = ratio_of_rates("timwatch_token_is_ratio_squared_sum", "timwatch_tokens_total")
+IS_STD_WINDOW = f"sqrt(clamp_min(({_R2}) - ({_R1}) ^ 2, 0))"
+# ESS = (Σr)² / (N·Σr²); the window length cancels, so rates can stand in for sums.
+ESS_WINDOW = (
+    f"{rate_sum('timwatch_token_is_ratio_sum')} ^ 2 / ({rate_sum('timwatch_tokens_total')}"
+    f" * {rate_sum('timwatch_token_is_ratio_squared_sum')})"
+)
+# σ̂² = Σδ² / Σ(H + ε) with the default ESTR ε = 0.01.
+NOISE_WINDOW = (
+    f"{rate_sum('timwatch_token_log_ratio_squared_sum')}"
+    f" / ({rate_sum('timwatch_token_entropy_sum')} + 0.01 * {rate_sum('timwatch_tokens_total')})"
+)
+ENTROPY_WINDOW = ratio_of_rates("timwatch_token_entropy_sum", "timwatch_token_entropy_count")
+
+
+def _abs_delta_quantile(q: float) -> str:
+    buckets = rate_sum("timwatch_token_abs_log_ratio_bucket", by="le, run")
+    return f"histogram_quantile({q}, {buckets})"
+
+
+def _gauge(metric: str) -> str:
+    return f"max by (run) ({metric}{{{RUN}}})"
+
+
+def build() -> dashboard_b.Dashboard:
+    ids = IdAllocator()
+    return (
+        base_dashboard(
+            "timwatch — Run overview",
+            UID,
+            "Train–inference mismatch of the selected runs: KL, |δ|, IS weights, masks, entropy, "
+            "noise scale, staleness, token-id drift and ingest.",
+        )
+        .with_row(dashboard_b.Row("Mismatch").id(ids.next()))
+        .with_panel(
+            timeseries(
+                ids,
+                "Mismatch KL (k3)",
+                "Mean k3 KL(μ‖π) per token, window (sums/counts) and last batch. Healthy: flat and "
+                "< 1e-3 for bf16 rollouts (~1e-5 fp16); a steady rise or > 1e-2 precedes collapse.",
+                "sci",
+                [(KL_WINDOW, "{{run}} window"), (_gauge("timwatch_mismatch_kl"), "{{run}} last")],
+                log_scale=True,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "|δ| quantiles",
+                "p50/p90/p99 of |log π − log μ| from the histogram. Healthy: p99 < 0.1 for bf16; "
+                "p99 climbing while p50 stays flat means a tail of tokens is diverging.",
+                "sci",
+                [
+                    (_abs_delta_quantile(0.5), "{{run}} p50"),
+                    (_abs_delta_quantile(0.9), "{{run}} p90"),
+                    (_abs_delta_quantile(0.99), "{{run}} p99"),
+                ],
+                log_scale=True,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "Max |δ| (last batch)",
+                "Largest |log π − log μ| of the last batch. Healthy: < 1; spikes > 5 are tokens "
+                "the trainer finds near-impossible (sampling or tokenization bug).",
+                "none",
+                [(_gauge("timwatch_log_ratio_abs_max"), "{{run}}")],
+                width=8,
+                min_val=0,
+            )
+        )
+        .with_panel(
+            stat(
+                ids,
+                "Trainer step",
+                "Step of the last batch. Healthy: rises steadily; flat while batches keep "
+                "arriving means the same step is being re-sent.",
+                "none",
+                [(_gauge("timwatch_step"), "{{run}}")],
+                width=8,
+                height=8,
+            )
+        )
+        .with_panel(
+            stat(
+                ids,
+                "Time since last batch",
+                "Seconds since the run's last accepted batch. Healthy: below a couple of step "
+                "durations; growing means the run stalled or its sidecar stopped reporting.",
+                "s",
+                [(f"time() - {_gauge('timwatch_last_batch_timestamp_seconds')}", "{{run}}")],
+                width=8,
+                height=8,
+            )
+        )
+        .with_row(dashboard_b.Row("Importance weights").id(ids.next()))
+        .with_panel(
+            timeseries(
+                ids,
+                "IS-ratio std",
+                "Population std of r = π/μ, window (from Σr, Σr²) and last batch. Healthy: "
+                "< 0.1 for bf16; > 0.5 means heavy-tailed weights that inflate gradient variance.",
+                "none",
+                [
+                    (IS_STD_WINDOW, "{{run}} window"),
+                    (_gauge("timwatch_is_ratio_std"), "{{run}} last"),
+                ],
+                min_val=0,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "IS effective sample size",
+                "ESS = (Σr)²/(N·Σr²) over the window. Healthy: > 0.99; below 0.9 the importance "
+                "weights waste more than a tenth of the batch.",
+                "percentunit",
+                [(ESS_WINDOW, "{{run}}")],
+                min_val=0,
+            )
+        )
+        .with_row(dashboard_b.Row("Correction masks").id(ids.next()))
+        .with_panel(
+            timeseries(
+                ids,
+                "Mask ratio per policy (window)",
+                "Share of tokens each policy would reject (shadow evaluation), from counters. "
+                "Healthy: estr and icepop < 1%; a sustained rise above 5% means the correction "
+                "is discarding signal.",
+                "percentunit",
+                [(mask_ratio_window(), "{{run}} {{policy}}")],
+                min_val=0,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "Mask ratio per policy (last batch)",
+                "Share of the last batch's tokens each policy rejects. Healthy: estr and icepop "
+                "< 1%; geo_rs is strict by design and runs higher.",
+                "percentunit",
+                [(f"max by (run, policy) (timwatch_mask_ratio{{{RUN}}})", "{{run}} {{policy}}")],
+                min_val=0,
+            )
+        )
+        .with_row(dashboard_b.Row("Entropy and engine noise").id(ids.next()))
+        .with_panel(
+            timeseries(
+                ids,
+                "Entropy mean",
+                "Mean next-token entropy H (nats), window and last batch. Healthy: slowly "
+                "varying; a steady fall toward 0 is entropy collapse.",
+                "none",
+                [
+                    (ENTROPY_WINDOW, "{{run}} window"),
+                    (_gauge("timwatch_entropy_mean"), "{{run}} last"),
+                ],
+                min_val=0,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "Noise scale σ̂²",
+                "σ̂² = Σδ²/Σ(H+ε), ε = 0.01: engine noise with entropy drift divided out. "
+                "Healthy: flat; a rise at flat entropy means engine numerics got noisier.",
+                "sci",
+                [
+                    (NOISE_WINDOW, "{{run}} window"),
+                    (_gauge("timwatch_noise_scale"), "{{run}} last"),
+                ],
+                log_scale=True,
+            )
+        )
+        .with_row(dashboard_b.Row("Staleness and correctness").id(ids.next()))
+        .with_panel(
+            timeseries(
+                ids,
+                "Version lag max",
+                "Largest policy_version − token version in the last batch. Healthy: 0 for "
+                "synchronous RL, at most the configured staleness bound for async RL.",
+                "short",
+                [(_gauge("timwatch_version_lag_max"), "{{run}}")],
+                min_val=0,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "Token-id drift",
+                "Share of tokens whose trainer token id differs from the sampled one. Healthy: "
+                "exactly 0; any non-zero value is a token-in-token-out (retokenization) bug.",
+                "percentunit",
+                [(_gauge("timwatch_token_id_mismatch_ratio"), "{{run}}")],
+                min_val=0,
+            )
+        )
+        .with_row(dashboard_b.Row("Ingest").id(ids.next()))
+        .with_panel(
+            timeseries(
+                ids,
+                "Ingest rate (tokens/s)",
+                "Masked tokens accepted per second. Healthy: steady while the run trains; a "
+                "drop to 0 means the trainer tap or the sidecar stopped reporting.",
+                "ops",
+                [(rate_sum("timwatch_tokens_total"), "{{run}}")],
+                width=8,
+                min_val=0,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "Ingest rate (batches/s)",
+                "Batches accepted per second. Healthy: about one per trainer rank and step; "
+                "0 while training runs means batches are not arriving.",
+                "ops",
+                [(rate_sum("timwatch_batches_total"), "{{run}}")],
+                width=8,
+                min_val=0,
+            )
+        )
+        .with_panel(
+            timeseries(
+                ids,
+                "Rejected batches by reason",
+                "Batches refused per second, by reason. Healthy: 0; any rate means a collector "
+                "sends malformed batches (the reason label says which check failed).",
+                "ops",
+                [
+                    (
+                        rate_sum("timwatch_rejected_batches_total", by="run, reason"),
+                        "{{run}} {{reason}}",
+                    )
+                ],
+                width=8,
+                min_val=0,
+            )
+        )
+    )
