@@ -1,0 +1,141 @@
+"""Batch → accumulator: runs the fused kernel, then the optional-input breakdowns.
+
+`accumulate` is the single entry point the CLI, the service and the benchmarks use; `analyze`
+adds `.row()` for the common one-batch case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from monitor.accumulator import TOP_K, Accumulator
+from monitor.batch import Batch
+from monitor.histograms import (
+    ABS_DELTA_LAYOUT,
+    ESTR_SCORE_LAYOUT,
+    HEATMAP_ABS_DELTA_EDGES,
+    HEATMAP_ENTROPY_EDGES,
+    FineLayout,
+)
+from monitor.kernels import core_kernel, k3_of
+from monitor.masks import PolicyParams
+from monitor.row import MetricRow
+
+__all__ = ["Accumulator", "MetricRow", "accumulate", "analyze"]
+
+
+def _layout_vector(layout: FineLayout) -> np.ndarray:
+    return np.array(
+        [layout.biased_lo, layout.hi_exp - layout.lo_exp, layout.sub_bits, layout.bins - 1],
+        dtype=np.int64,
+    )
+
+
+_AD_LAYOUT = _layout_vector(ABS_DELTA_LAYOUT)
+_S_LAYOUT = _layout_vector(ESTR_SCORE_LAYOUT)
+_H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
+_HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
+
+
+def accumulate(batch: Batch, params: PolicyParams | None = None) -> Accumulator:
+    """The additive accumulator of one validated batch (every metric, every policy)."""
+    acc = Accumulator(params=params or PolicyParams())
+    acc.batches = 1
+    acc.step = batch.step
+    acc.policy_version = batch.policy_version
+    acc.entropy_source = batch.entropy_source
+    acc.nonfinite_tokens = batch.nonfinite_tokens
+    worst_score = np.full(TOP_K, -1.0)
+    worst_index = np.full(TOP_K, -1, dtype=np.int64)
+    core_kernel(
+        batch.cu_seqlens, batch.logp_rollout, batch.logp_train, batch.entropy, batch.loss_mask,
+        acc.params.kernel_vector(),
+        acc.fsum, acc.fext, acc.cnt,
+        acc.hist_ad, acc.prom_ad, acc.prom_s, acc.heat_all, acc.heat_rej,
+        acc.lb_seqs, acc.lb_tokens, acc.lb_abs_l, acc.lb_k3,
+        worst_score, worst_index,
+        _AD_LAYOUT, ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges,
+        _S_LAYOUT, ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges,
+        _H_EDGES, _HD_EDGES,
+    )  # fmt: skip
+    acc.worst = _worst_tokens(batch, worst_score, worst_index)
+    _optional_inputs(batch, acc)
+    return acc
+
+
+def analyze(batch: Batch, params: PolicyParams | None = None) -> MetricRow:
+    """The metric row of one batch."""
+    return accumulate(batch, params).row()
+
+
+def _worst_tokens(batch: Batch, score: np.ndarray, index: np.ndarray) -> list[dict[str, object]]:
+    keep = index >= 0
+    order = np.lexsort((index[keep], -score[keep]))
+    idx, sc = index[keep][order], score[keep][order]
+    seq = np.searchsorted(batch.cu_seqlens, idx, side="right") - 1
+    out: list[dict[str, object]] = []
+    for i, s, t in zip(idx.tolist(), sc.tolist(), seq.tolist(), strict=True):
+        out.append(
+            {
+                "seq": t,
+                "pos": i - int(batch.cu_seqlens[t]),
+                "index": i,
+                "token_id": None if batch.token_ids is None else int(batch.token_ids[i]),
+                "logp_rollout": float(batch.logp_rollout[i]),
+                "logp_train": float(batch.logp_train[i]),
+                "entropy": float(batch.entropy[i]),
+                "score": s,
+                "step": batch.step,
+                "batch_id": batch.batch_id,
+            }
+        )
+    return out
+
+
+def _optional_inputs(batch: Batch, acc: Accumulator) -> None:
+    """Metrics of the optional inputs: absent inputs leave their counters at zero (→ null)."""
+    mask = batch.loss_mask.astype(bool)
+    if not mask.any():
+        return
+    if batch.versions is not None:
+        _versions(batch, acc, mask)
+    if batch.token_ids is not None and batch.token_ids_train is not None:
+        acc.tid_tokens = int(mask.sum())
+        acc.tid_mismatch = int(np.count_nonzero((batch.token_ids != batch.token_ids_train) & mask))
+    mu = batch.logp_rollout[mask].astype(np.float64)
+    if batch.logp_old is not None:
+        old = batch.logp_old[mask].astype(np.float64)
+        pi = batch.logp_train[mask].astype(np.float64)
+        ones = np.ones(mu.shape[0], dtype=np.uint8)
+        acc.old_tokens = int(mu.shape[0])
+        acc.old_sum_disc = float(k3_of(mu, old, ones).sum())
+        acc.old_sum_stale = float(k3_of(old, pi, ones).sum())
+    if batch.logp_teacher is not None:
+        p = np.exp(batch.logp_teacher[mask].astype(np.float64))
+        acc.teacher_tokens = int(p.shape[0])
+        acc.teacher_soft = int(np.count_nonzero((p >= 0.3) & (p <= 0.7)))
+        acc.teacher_hard = int(np.count_nonzero((p < 0.05) | (p > 0.95)))
+
+
+def _versions(batch: Batch, acc: Accumulator, mask: np.ndarray) -> None:
+    assert batch.versions is not None
+    idx = np.flatnonzero(mask)
+    v = batch.versions[idx]
+    seq = np.searchsorted(batch.cu_seqlens, idx, side="right") - 1
+    acc.version_seqs = int(np.unique(seq).shape[0])
+    change = (v[1:] != v[:-1]) & (seq[1:] == seq[:-1])
+    acc.switch_seqs = int(np.unique(seq[1:][change]).shape[0])
+    if batch.policy_version is None:
+        return
+    lag = batch.policy_version - v
+    k3 = k3_of(batch.logp_rollout, batch.logp_train, batch.loss_mask)[idx]
+    acc.lag_tokens = int(lag.shape[0])
+    acc.lag_sum = float(lag.sum())
+    acc.lag_max = int(lag.max())
+    values, inverse = np.unique(lag, return_inverse=True)
+    tokens = np.bincount(inverse)
+    sums = np.bincount(inverse, weights=k3)
+    acc.lag_buckets = {
+        int(lv): [float(t), float(s)]
+        for lv, t, s in zip(values.tolist(), tokens.tolist(), sums.tolist(), strict=True)
+    }
