@@ -1,0 +1,154 @@
+"""SQLAlchemy 2 models of the history store.
+
+One wide ``steps`` row per (run, step) with every scalar metric as its own column, so a
+``metrics`` query reads only the columns asked for through the (run_id, step) primary key.
+The bulky parts of a step (accumulator state, buckets, heatmap, worst tokens, full row) live in
+``step_details`` so that scans of ``steps`` never touch them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Table,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = [
+    "COUNT_COLUMNS",
+    "FLOAT_COLUMNS",
+    "MASK_POLICIES",
+    "METRIC_COLUMNS",
+    "SEQ_POLICIES",
+    "Base",
+    "BatchRecord",
+    "Event",
+    "Run",
+    "Step",
+    "StepDetail",
+    "steps_table",
+]
+
+MASK_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis", "seq_mis", "geo_rs", "k3_rs")
+SEQ_POLICIES = ("seq_mis", "geo_rs", "k3_rs")
+
+#: integer-valued metrics of a row
+COUNT_COLUMNS = ("tokens", "sequences", "nonfinite_tokens")
+#: float-valued scalar metrics of a row (SPEC §2), then the flattened per-policy ratios
+FLOAT_COLUMNS = (
+    "mismatch_kl",
+    "kl_k1",
+    "kl_k2",
+    "log_ratio_mean",
+    "log_ratio_abs_mean",
+    "log_ratio_abs_max",
+    "log_ratio_abs_p99",
+    "prob_abs_diff_mean",
+    "prob_abs_diff_max",
+    "is_ratio_mean",
+    "is_ratio_std",
+    "is_ratio_min",
+    "is_ratio_max",
+    "is_ess",
+    "chi2_token",
+    "seq_log_ratio_abs_mean",
+    "seq_log_ratio_abs_max",
+    "seq_geo_ratio_mean",
+    "chi2_seq",
+    "entropy_mean",
+    "noise_scale",
+    "entropy_delta_corr",
+    "version_lag_mean",
+    "version_lag_max",
+    "intra_switch_ratio",
+    "token_id_mismatch_ratio",
+    "discrepancy_kl",
+    "staleness_kl",
+    "teacher_soft_ratio",
+    "teacher_hard_ratio",
+    *(f"mask_ratio_{p}" for p in MASK_POLICIES),
+    *(f"seq_reject_ratio_{p}" for p in SEQ_POLICIES),
+)
+#: every column a ``metrics`` query may ask for
+METRIC_COLUMNS = (*COUNT_COLUMNS, "batches", "policy_version", *FLOAT_COLUMNS)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, float: Double}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    first_seen: Mapped[float] = mapped_column(Double)
+    last_seen: Mapped[float] = mapped_column(Double)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    tags: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+steps_table = Table(
+    "steps",
+    Base.metadata,
+    Column("run_id", String(128), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("updated_at", Double, nullable=False),
+    Column("batches", Integer, nullable=False),
+    Column("policy_version", BigInteger, nullable=True),
+    Column("entropy_source", String(16), nullable=True),
+    *(Column(name, BigInteger, nullable=True) for name in COUNT_COLUMNS),
+    *(Column(name, Double, nullable=True) for name in FLOAT_COLUMNS),
+)
+
+
+class Step(Base):
+    """One row per (run, step); metric columns come from ``COUNT_COLUMNS``/``FLOAT_COLUMNS``."""
+
+    __table__ = steps_table
+
+
+class StepDetail(Base):
+    __tablename__ = "step_details"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    row: Mapped[dict[str, Any]] = mapped_column(JSON)
+    length_buckets: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    lag_buckets: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    heatmap: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    worst_tokens: Mapped[Any] = mapped_column(JSON, nullable=True)
+
+
+class BatchRecord(Base):
+    __tablename__ = "batches"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    batch_id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger)
+    received_at: Mapped[float] = mapped_column(Double)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    response: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_ts", "run_id", "ts"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(128))
+    ts: Mapped[float] = mapped_column(Double)
+    kind: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    message: Mapped[str] = mapped_column(Text, default="")
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)

@@ -1,0 +1,421 @@
+"""Repository: every read and write of the history store, one transaction per batch.
+
+A batch is written in a single transaction that (1) checks its ``batch_id`` (idempotency),
+(2) merges its accumulator into the stored state of its step, (3) rewrites the step row and
+details from the merged state and (4) records the answer. Either all of it commits or none, so
+a crash or a store outage never leaves a half-written step. Concurrent writers of the same step
+race on primary keys; the loser gets an IntegrityError and retries on the new state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, cast
+
+from sqlalchemy import Connection, Table, func, insert, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
+from monitor.store.models import (
+    COUNT_COLUMNS,
+    FLOAT_COLUMNS,
+    MASK_POLICIES,
+    METRIC_COLUMNS,
+    SEQ_POLICIES,
+    BatchRecord,
+    Event,
+    Run,
+    StepDetail,
+    steps_table,
+)
+
+__all__ = ["Store", "StoreUnavailable", "flatten_row"]
+
+_runs = cast(Table, Run.__table__)
+_details = cast(Table, StepDetail.__table__)
+_batches = cast(Table, BatchRecord.__table__)
+_events = cast(Table, Event.__table__)
+_RETRIES = 8
+
+
+class StoreUnavailable(RuntimeError):
+    """The database is down, locked past its timeout, or refused the connection."""
+
+
+def flatten_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The ``steps`` columns of a metric row: scalars as-is, per-policy ratios flattened."""
+    out: dict[str, Any] = {}
+    for name in COUNT_COLUMNS:
+        v = row.get(name)
+        out[name] = None if v is None else int(v)
+    for name in FLOAT_COLUMNS:
+        if name.startswith(("mask_ratio_", "seq_reject_ratio_")):
+            continue
+        v = row.get(name)
+        out[name] = None if v is None else float(v)
+    mask = row.get("mask_ratio") or {}
+    for p in MASK_POLICIES:
+        v = mask.get(p)
+        out[f"mask_ratio_{p}"] = None if v is None else float(v)
+    rej = row.get("seq_reject_ratio") or {}
+    for p in SEQ_POLICIES:
+        v = rej.get(p)
+        out[f"seq_reject_ratio_{p}"] = None if v is None else float(v)
+    out["policy_version"] = row.get("policy_version")
+    out["entropy_source"] = row.get("entropy_source")
+    return out
+
+
+class Store:
+    """The history store behind the API. Thread-safe; call from worker threads, not the loop."""
+
+    def __init__(self, url: str, *, migrate: bool = True, sqlite_synchronous: str = "FULL") -> None:
+        from monitor.jsoncodec import dumps_str, loads
+
+        self.url = url
+        self.description = describe_url(url)
+        self.sqlite = is_sqlite(url)
+        self.engine = make_engine(
+            url, sqlite_synchronous=sqlite_synchronous, json_serializer=dumps_str,
+            json_deserializer=loads,
+        )  # fmt: skip
+        self._writer = self.engine.execution_options(timwatch_write=True)
+        # SQLite has one writer at a time anyway; queueing in-process avoids busy-wait spins.
+        self._write_lock: threading.Lock | None = threading.Lock() if self.sqlite else None
+        if migrate:
+            self._guard(lambda: upgrade(self.engine))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _guard(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (OperationalError, PoolTimeout) as e:
+            raise StoreUnavailable(_short(e)) from e
+        except DBAPIError as e:
+            if e.connection_invalidated or _is_conn(e):
+                raise StoreUnavailable(_short(e)) from e
+            raise
+
+    def _writing(self) -> AbstractContextManager[Any]:
+        return self._write_lock if self._write_lock is not None else nullcontext()
+
+    def ping(self) -> None:
+        def go() -> None:
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("SELECT 1")
+
+        self._guard(go)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def find_batch(self, run: str, batch_id: str) -> dict[str, Any] | None:
+        """The stored answer for a batch already ingested, else None."""
+
+        def go() -> dict[str, Any] | None:
+            with self.engine.connect() as conn:
+                return _find_batch(conn, run, batch_id)
+
+        return self._guard(go)
+
+    def record_batch(
+        self,
+        run: str,
+        *,
+        step: int,
+        batch_id: str | None,
+        acc: Any,
+        tokens: int,
+        respond: Callable[[dict[str, Any]], dict[str, Any]],
+        tags: dict[str, str] | None = None,
+        now: float | None = None,
+    ) -> tuple[dict[str, Any], bool, Any]:
+        """Merge one batch's accumulator into its step, atomically.
+
+        ``respond(step_row)`` builds the answer that is stored with the batch. Returns
+        ``(answer, replayed, merged_step_accumulator)``; a replay returns the stored answer,
+        ``True`` and ``None`` and writes nothing.
+        """
+        from monitor.engine import Accumulator
+
+        def go() -> tuple[dict[str, Any], bool, Any]:
+            for attempt in range(_RETRIES):
+                ts = time.time() if now is None else now
+                try:
+                    with self._writing(), self._writer.begin() as conn:
+                        if batch_id is not None:
+                            found = _find_batch(conn, run, batch_id)
+                            if found is not None:
+                                return found, True, None
+                        _touch_run(conn, run, step, ts, tags)
+                        prev = _lock_state(conn, run, step, self.sqlite)
+                        merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
+                        row = merged.row().to_dict()
+                        _write_step(conn, run, step, ts, merged, row, new=prev is None)
+                        answer = respond(row)
+                        conn.execute(
+                            insert(_batches).values(
+                                run_id=run,
+                                batch_id=batch_id if batch_id is not None else f"~{uuid.uuid4()}",
+                                step=step,
+                                received_at=ts,
+                                tokens=tokens,
+                                response=answer,
+                            )
+                        )
+                    return answer, False, merged
+                except IntegrityError:
+                    if attempt == _RETRIES - 1:
+                        raise
+                    time.sleep(0.001 * (attempt + 1))
+            raise AssertionError("unreachable")
+
+        return self._guard(go)
+
+    def add_event(
+        self,
+        run: str,
+        kind: str,
+        message: str = "",
+        *,
+        step: int | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        def go() -> None:
+            with self._writing(), self._writer.begin() as conn:
+                conn.execute(
+                    insert(_events).values(
+                        run_id=run, ts=time.time(), kind=kind, step=step, message=message, data=data
+                    )
+                )
+
+        self._guard(go)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def list_runs(self) -> list[dict[str, Any]]:
+        def go() -> list[dict[str, Any]]:
+            counts = (
+                select(steps_table.c.run_id, func.count().label("steps"))
+                .group_by(steps_table.c.run_id)
+                .subquery()
+            )
+            stmt = (
+                select(_runs, func.coalesce(counts.c.steps, 0).label("steps"))
+                .outerjoin(counts, counts.c.run_id == _runs.c.id)
+                .order_by(_runs.c.last_seen.desc())
+            )
+            with self.engine.connect() as conn:
+                return [
+                    {
+                        "run": r.id,
+                        "first_seen": r.first_seen,
+                        "last_seen": r.last_seen,
+                        "last_step": r.last_step,
+                        "steps": int(r.steps),
+                        "tags": r.tags or {},
+                    }
+                    for r in conn.execute(stmt)
+                ]
+
+        return self._guard(go)
+
+    def run_exists(self, run: str) -> bool:
+        def go() -> bool:
+            with self.engine.connect() as conn:
+                return conn.execute(select(_runs.c.id).where(_runs.c.id == run)).first() is not None
+
+        return self._guard(go)
+
+    def query_metrics(
+        self,
+        run: str,
+        names: Sequence[str],
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        last: int | None = None,
+    ) -> tuple[list[int], dict[str, list[Any]]]:
+        """Columns ``names`` of ``run`` ordered by step (the last ``last`` steps if given)."""
+        unknown = [n for n in names if n not in METRIC_COLUMNS]
+        if unknown:
+            raise KeyError(unknown[0])
+        cols = [steps_table.c[n] for n in names]
+        stmt = select(steps_table.c.step, *cols).where(steps_table.c.run_id == run)
+        if from_step is not None:
+            stmt = stmt.where(steps_table.c.step >= from_step)
+        if to_step is not None:
+            stmt = stmt.where(steps_table.c.step <= to_step)
+        if last is not None:
+            stmt = stmt.order_by(steps_table.c.step.desc()).limit(last)
+        else:
+            stmt = stmt.order_by(steps_table.c.step)
+
+        def go() -> tuple[list[int], dict[str, list[Any]]]:
+            with self.engine.connect() as conn:
+                rows = list(conn.execute(stmt).all())
+            if last is not None:
+                rows.reverse()
+            if not rows:
+                return [], {n: [] for n in names}
+            columns = list(zip(*rows, strict=True))
+            return list(columns[0]), {n: list(c) for n, c in zip(names, columns[1:], strict=True)}
+
+        return self._guard(go)
+
+    def get_step(self, run: str, step: int) -> dict[str, Any] | None:
+        stmt = (
+            select(
+                steps_table.c.batches,
+                steps_table.c.updated_at,
+                _details.c.row,
+            )
+            .join(
+                _details,
+                (_details.c.run_id == steps_table.c.run_id)
+                & (_details.c.step == steps_table.c.step),
+            )
+            .where(steps_table.c.run_id == run, steps_table.c.step == step)
+        )
+
+        def go() -> dict[str, Any] | None:
+            with self.engine.connect() as conn:
+                r = conn.execute(stmt).first()
+            if r is None:
+                return None
+            return {
+                "run": run,
+                "step": step,
+                "batches": r.batches,
+                "updated_at": r.updated_at,
+                "row": r.row,
+            }
+
+        return self._guard(go)
+
+    def get_step_state(self, run: str, step: int) -> dict[str, Any] | None:
+        """The stored accumulator state of a step (for exact re-derivation and tests)."""
+
+        def go() -> dict[str, Any] | None:
+            with self.engine.connect() as conn:
+                r = conn.execute(
+                    select(_details.c.state).where(
+                        _details.c.run_id == run, _details.c.step == step
+                    )
+                ).first()
+            return None if r is None else r.state
+
+        return self._guard(go)
+
+    def list_events(self, run: str, limit: int = 100) -> list[dict[str, Any]]:
+        stmt = (
+            select(_events)
+            .where(_events.c.run_id == run)
+            .order_by(_events.c.ts.desc(), _events.c.id.desc())
+            .limit(limit)
+        )
+
+        def go() -> list[dict[str, Any]]:
+            with self.engine.connect() as conn:
+                return [
+                    {
+                        "ts": e.ts,
+                        "kind": e.kind,
+                        "step": e.step,
+                        "message": e.message,
+                        "data": e.data,
+                    }
+                    for e in conn.execute(stmt)
+                ]
+
+        return self._guard(go)
+
+    def count_batches(self, run: str) -> int:
+        def go() -> int:
+            with self.engine.connect() as conn:
+                return int(
+                    conn.execute(
+                        select(func.count()).select_from(_batches).where(_batches.c.run_id == run)
+                    ).scalar_one()
+                )
+
+        return self._guard(go)
+
+
+def _find_batch(conn: Connection, run: str, batch_id: str) -> dict[str, Any] | None:
+    r = conn.execute(
+        select(_batches.c.response).where(_batches.c.run_id == run, _batches.c.batch_id == batch_id)
+    ).first()
+    return None if r is None else r.response
+
+
+def _touch_run(
+    conn: Connection, run: str, step: int, ts: float, tags: dict[str, str] | None
+) -> None:
+    cur = conn.execute(select(_runs.c.last_step, _runs.c.tags).where(_runs.c.id == run)).first()
+    if cur is None:
+        conn.execute(
+            insert(_runs).values(
+                id=run, first_seen=ts, last_seen=ts, last_step=step, tags=tags or {}
+            )
+        )
+        conn.execute(
+            insert(_events).values(run_id=run, ts=ts, kind="run_created", step=step, message="")
+        )
+        return
+    values: dict[str, Any] = {"last_seen": ts}
+    if cur.last_step is None or step > cur.last_step:
+        values["last_step"] = step
+    if tags:
+        values["tags"] = {**(cur.tags or {}), **tags}
+    conn.execute(update(_runs).where(_runs.c.id == run).values(**values))
+
+
+def _lock_state(conn: Connection, run: str, step: int, sqlite: bool) -> dict[str, Any] | None:
+    stmt = select(_details.c.state).where(_details.c.run_id == run, _details.c.step == step)
+    if not sqlite:
+        stmt = stmt.with_for_update()
+    r = conn.execute(stmt).first()
+    return None if r is None else r.state
+
+
+def _write_step(
+    conn: Connection, run: str, step: int, ts: float, merged: Any, row: dict[str, Any], *, new: bool
+) -> None:
+    cols = flatten_row(row)
+    cols["batches"] = int(merged.batches)
+    cols["updated_at"] = ts
+    detail = {
+        "state": merged.to_state(),
+        "row": row,
+        "length_buckets": row.get("length_buckets"),
+        "lag_buckets": row.get("lag_buckets"),
+        "heatmap": row.get("heatmap"),
+        "worst_tokens": row.get("worst_tokens"),
+    }
+    if new:
+        conn.execute(insert(steps_table).values(run_id=run, step=step, **cols))
+        conn.execute(insert(_details).values(run_id=run, step=step, **detail))
+    else:
+        where = (steps_table.c.run_id == run) & (steps_table.c.step == step)
+        conn.execute(update(steps_table).where(where).values(**cols))
+        conn.execute(
+            update(_details)
+            .where((_details.c.run_id == run) & (_details.c.step == step))
+            .values(**detail)
+        )
+
+
+def _is_conn(e: DBAPIError) -> bool:
+    name = type(e.orig).__name__ if e.orig is not None else ""
+    return name in {"OperationalError", "InterfaceError"}
+
+
+def _short(e: BaseException) -> str:
+    text = str(getattr(e, "orig", None) or e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
