@@ -39,6 +39,9 @@ NOISE_WINDOW = (
     f"{rate_sum('timwatch_token_log_ratio_squared_sum')}"
     f" / ({rate_sum('timwatch_token_entropy_sum')} + 0.01 * {rate_sum('timwatch_tokens_total')})"
 )
+# Rejections carry only `reason`: the service refuses some batches (bad token, too large)
+# before it knows which run they belong to, so this is the one query without the run filter.
+REJECTED_RATE = "sum by (reason) (rate(timwatch_rejected_batches_total[$__rate_interval]))"
 ENTROPY_WINDOW = ratio_of_rates("timwatch_token_entropy_sum", "timwatch_token_entropy_count")
 
 
@@ -241,11 +244,14 @@ def build() -> dashboard_b.Dashboard:
         .with_panel(
             timeseries(
                 ids,
-                "Ingest rate (batches/s)",
-                "Batches accepted per second. Healthy: about one per trainer rank and step; "
-                "0 while training runs means batches are not arriving.",
+                "Ingest rate (batches/s, sequences/s)",
+                "Batches and sequences accepted per second. Healthy: about one batch per trainer "
+                "rank and step; 0 while training runs means batches are not arriving.",
                 "ops",
-                [(rate_sum("timwatch_batches_total"), "{{run}}")],
+                [
+                    (rate_sum("timwatch_batches_total"), "{{run}} batches"),
+                    (rate_sum("timwatch_sequences_total"), "{{run}} sequences"),
+                ],
                 width=8,
                 min_val=0,
             )
@@ -253,16 +259,12 @@ def build() -> dashboard_b.Dashboard:
         .with_panel(
             timeseries(
                 ids,
-                "Rejected batches by reason",
-                "Batches refused per second, by reason. Healthy: 0; any rate means a collector "
-                "sends malformed batches (the reason label says which check failed).",
+                "Rejected batches by reason (all runs)",
+                "Batches refused per second by the service, by reason (not per run: a refused "
+                "batch may name no valid run). Healthy: 0; any rate means a collector sends bad "
+                "batches or a bad token.",
                 "ops",
-                [
-                    (
-                        rate_sum("timwatch_rejected_batches_total", by="run, reason"),
-                        "{{run}} {{reason}}",
-                    )
-                ],
+                [(REJECTED_RATE, "{{reason}}")],
                 width=8,
                 min_val=0,
             )
