@@ -146,15 +146,15 @@ def push(
 
     try:
         uids = push_dashboards(grafana_url, token, folder=folder, files=file)
-    except (OSError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    except RequestException as exc:  # before OSError: niquests' errors subclass it
+        typer.echo(f"error: cannot reach Grafana at {grafana_url}: {exc}", err=True)
+        raise typer.Exit(1) from exc
     except GrafanaException as exc:
         typer.echo(f"error: Grafana answered {exc.status_code}: {exc.message}", err=True)
         raise typer.Exit(1) from exc
-    except RequestException as exc:
-        typer.echo(f"error: cannot reach Grafana: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    except (OSError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     where = f"folder {folder!r}" if folder else "the General folder"
     for uid in uids:
         typer.echo(f"pushed {uid} to {where}")

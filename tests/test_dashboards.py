@@ -490,6 +490,18 @@ def test_cli_push_reports_grafana_errors() -> None:
     assert "Grafana answered 401" in result.output
 
 
+def test_cli_push_reports_unreachable_grafana_and_bad_files(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    result = CliRunner().invoke(dashboards_app, ["push", "--grafana-url", url, "--token", "t"])
+    assert result.exit_code == 1
+    assert f"cannot reach Grafana at {url}" in result.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    result = CliRunner().invoke(dashboards_app, ["push", "--grafana-url", url, "--file", str(bad)])
+    assert result.exit_code == 2
+    assert "bad.json: a dashboard must be a JSON object" in result.output
+
+
 # ---------------------------------------------------------------- provisioning
 
 
