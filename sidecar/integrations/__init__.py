@@ -1,0 +1,8 @@
+"""Plug-ins for RL training frameworks (verl, slime).
+
+Each submodule imports torch and is meant to be imported by the trainer process only; none of
+them needs its framework installed to be imported or tested. Importing this package itself
+imports nothing heavy.
+"""
+
+__all__: list[str] = []
