@@ -56,9 +56,10 @@ def install_entropy_hook(args: Any = None, module: Any = None) -> bool:
     del args
     if module is None:
         try:
-            from slime.backends.megatron_utils import loss as module  # type: ignore[import-not-found]
+            from slime.backends.megatron_utils import loss as slime_loss
         except ImportError:
             return False
+        module = slime_loss
     original = module.get_log_probs_and_entropy
     if getattr(original, "_timwatch_hooked", False):
         return True
@@ -79,9 +80,9 @@ def install_entropy_hook(args: Any = None, module: Any = None) -> bool:
 
 def _param(args: Any, name: str, env: str, default: float) -> float:
     value = getattr(args, name, None)
-    if value is None:
-        value = os.environ.get(env, default)
-    return float(value)
+    if value is not None:
+        return float(value)
+    return float(os.environ.get(env, default))
 
 
 def estr_tis_function(

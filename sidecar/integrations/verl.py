@@ -118,7 +118,7 @@ def _agg_loss(
 ) -> torch.Tensor:
     """verl's `agg_loss` when verl is installed; otherwise the same four modes written out."""
     try:
-        from verl.trainer.ppo.core_algos import agg_loss  # type: ignore[import-not-found]
+        from verl.trainer.ppo.core_algos import agg_loss
     except ImportError:
         agg_loss = None
     if agg_loss is not None:
@@ -317,7 +317,7 @@ def _worker_backend() -> TimwatchTracking | None:
     if not url:
         return None
     if _WORKER_BACKEND is None:
-        from sidecar.tap import Tap  # type: ignore[import-not-found]
+        from sidecar.tap import Tap
 
         tap = Tap(url, os.environ.get("TIMWATCH_RUN", "verl"), os.environ.get("TIMWATCH_TOKEN"))
         _WORKER_BACKEND = TimwatchTracking(tap)
@@ -334,11 +334,10 @@ def install_actor_hooks(actor_cls: Any = None) -> bool:
     """
     if actor_cls is None:
         try:
-            from verl.workers.actor.dp_actor import (  # type: ignore[import-not-found]
-                DataParallelPPOActor as actor_cls,
-            )
+            from verl.workers.actor import dp_actor
         except ImportError:
             return False
+        actor_cls = dp_actor.DataParallelPPOActor
     if getattr(actor_cls, "_timwatch_hooked", False):
         return True
     forward = actor_cls._forward_micro_batch
@@ -379,7 +378,7 @@ def install_actor_hooks(actor_cls: Any = None) -> bool:
 def register_with_verl(*, hook_actor: bool = True) -> bool:
     """Register `estr` in verl's POLICY_LOSS_REGISTRY (and hook the actor); False without verl."""
     try:
-        from verl.trainer.ppo import core_algos  # type: ignore[import-not-found]
+        from verl.trainer.ppo import core_algos
     except ImportError:
         return False
     if ESTR_LOSS_NAME not in getattr(core_algos, "POLICY_LOSS_REGISTRY", {}):
