@@ -12,9 +12,12 @@ from monitor.accumulator import TOP_K, Accumulator
 from monitor.batch import Batch
 from monitor.histograms import (
     ABS_DELTA_LAYOUT,
+    ENTROPY_LAYOUT,
     ESTR_SCORE_LAYOUT,
     HEATMAP_ABS_DELTA_EDGES,
+    HEATMAP_ABS_DELTA_TABLE,
     HEATMAP_ENTROPY_EDGES,
+    HEATMAP_ENTROPY_TABLE,
     FineLayout,
 )
 from monitor.kernels import core_kernel, k3_of
@@ -33,6 +36,7 @@ def _layout_vector(layout: FineLayout) -> np.ndarray:
 
 _AD_LAYOUT = _layout_vector(ABS_DELTA_LAYOUT)
 _S_LAYOUT = _layout_vector(ESTR_SCORE_LAYOUT)
+_H_LAYOUT = _layout_vector(ENTROPY_LAYOUT)
 _H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
 _HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
 
@@ -56,7 +60,7 @@ def accumulate(batch: Batch, params: PolicyParams | None = None) -> Accumulator:
         worst_score, worst_index,
         _AD_LAYOUT, ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges,
         _S_LAYOUT, ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges,
-        _H_EDGES, _HD_EDGES,
+        _H_LAYOUT, HEATMAP_ENTROPY_TABLE, _H_EDGES, HEATMAP_ABS_DELTA_TABLE, _HD_EDGES,
     )  # fmt: skip
     acc.worst = _worst_tokens(batch, worst_score, worst_index)
     _optional_inputs(batch, acc)

@@ -25,6 +25,10 @@ __all__ = [
     "FineLayout",
     "ABS_DELTA_LAYOUT",
     "ESTR_SCORE_LAYOUT",
+    "ENTROPY_LAYOUT",
+    "HEATMAP_ABS_DELTA_TABLE",
+    "HEATMAP_ENTROPY_TABLE",
+    "left_closed_table",
     "fine_quantile",
 ]
 
@@ -96,8 +100,24 @@ class FineLayout:
         return table
 
 
+def left_closed_table(layout: FineLayout, edges: tuple[float, ...]) -> npt.NDArray[np.int64]:
+    """For each fine bin, the left-closed grid bin of its lower edge (edges start at 0).
+
+    A value x in fine bin b then lies in grid bin T[b] or T[b] + 1 (if x ≥ edges[T[b] + 1]).
+    """
+    lows = np.array([layout.lower_edge(i) for i in range(layout.bins)])
+    grid = np.asarray(edges, dtype=np.float64)
+    for i in range(layout.bins - 1):
+        inside = (grid > lows[i]) & (grid < layout.upper_edge(i))
+        assert inside.sum() <= 1, "fine bins must be narrower than grid bins"
+    return (np.searchsorted(grid, lows, side="right") - 1).astype(np.int64)
+
+
 ABS_DELTA_LAYOUT = FineLayout(lo_exp=-40, hi_exp=12, sub_bits=7, coarse=ABS_LOG_RATIO_BUCKETS)
 ESTR_SCORE_LAYOUT = FineLayout(lo_exp=-60, hi_exp=24, sub_bits=3, coarse=ESTR_SCORE_BUCKETS)
+ENTROPY_LAYOUT = FineLayout(lo_exp=-30, hi_exp=10, sub_bits=3, coarse=())
+HEATMAP_ABS_DELTA_TABLE = left_closed_table(ABS_DELTA_LAYOUT, HEATMAP_ABS_DELTA_EDGES)
+HEATMAP_ENTROPY_TABLE = left_closed_table(ENTROPY_LAYOUT, HEATMAP_ENTROPY_EDGES)
 FINE_BINS = ABS_DELTA_LAYOUT.bins
 FINE_RESOLUTION = 2.0**-ABS_DELTA_LAYOUT.sub_bits
 

@@ -165,20 +165,15 @@ def kpop_keep_mask(logp_train: Array, logp_rollout: Array, phi: float = 0.1) -> 
     lt, lr = _f64(logp_train), _f64(logp_rollout)
     if _is_torch(lt):
         p, q = lt.exp().clamp(P_MIN, P_MAX), lr.exp().clamp(P_MIN, P_MAX)
-        lp, lq, log1p = p.log(), q.log(), _torch_log1p
+        lp, lq = p.log(), q.log()
+        lam = ((1.0 - p) / (1.0 - q)).log()
     else:
         p, q = np.clip(np.exp(lt), P_MIN, P_MAX), np.clip(np.exp(lr), P_MIN, P_MAX)
-        lp, lq, log1p = np.log(p), np.log(q), np.log1p
-    lam = log1p(-(p - q) / (1.0 - q))  # log((1 − p) / (1 − q))
+        lp, lq = np.log(p), np.log(q)
+        lam = np.log((1.0 - p) / (1.0 - q))
     d_pq = p * (lp - lq) + (1.0 - p) * lam
     d_qp = q * (lq - lp) - (1.0 - q) * lam
     return (d_pq <= phi) & (d_qp <= phi)
-
-
-def _torch_log1p(x: Array) -> Array:
-    import torch
-
-    return torch.log1p(x)
 
 
 def _segments(cu_seqlens: Array, n: int) -> tuple[Array, int]:
