@@ -13,7 +13,6 @@ Read-only debug endpoints live under ``/timwatch/`` (SGLang has no such prefix):
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -34,6 +33,7 @@ from sidecar.sglang_wire import (
     WireError,
     dumps,
     is_finished,
+    loads,
     outputs_of,
     plan_request,
 )
@@ -159,7 +159,7 @@ async def _generate(request: Request) -> Response:
     state.counters["requests"] += 1
     raw = await request.body()
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except ValueError:
         body = None
     plan = plan_request(body, state.topk)
@@ -205,7 +205,7 @@ async def _generate(request: Request) -> Response:
 def _answer(state: ProxyState, plan: RequestPlan, content: bytes) -> bytes:
     """Capture every finished sample of a non-streamed answer; return the client's bytes."""
     try:
-        answer = json.loads(content)
+        answer = loads(content)
         outputs = outputs_of(answer)
     except ValueError as exc:
         state.counters["wire_errors"] += 1
@@ -255,7 +255,7 @@ def _frame(
     if payload == b"[DONE]":
         return frame
     try:
-        out = json.loads(payload)
+        out = loads(payload)
     except ValueError:
         return frame
     if not isinstance(out, dict) or "meta_info" not in out:
@@ -264,7 +264,7 @@ def _frame(
     idx = idx if isinstance(idx, int) else 0
     try:
         sample = samples.setdefault(idx, SampleState())
-        sample.feed(out, stream=True)
+        sample.offer(out)
         if is_finished(out):
             state.commit(samples.pop(idx), out, plan, idx)
     except (WireError, ValueError) as exc:

@@ -46,6 +46,7 @@ __all__ = [
     "SampleState",
     "versions_from_spans",
     "dumps",
+    "loads",
     "is_finished",
     "outputs_of",
 ]
@@ -71,9 +72,24 @@ class WireError(ValueError):
     """An SGLang answer that does not have the expected shape; names the field and index."""
 
 
-def dumps(obj: Any) -> bytes:
-    """Compact JSON as SGLang's orjson writes it (no spaces, UTF-8, key order kept)."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+try:  # SGLang itself answers through orjson; using it keeps restored answers byte-identical.
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        """Compact JSON exactly as SGLang's orjson writes it."""
+        return orjson.dumps(obj)
+
+    def loads(data: bytes | str) -> Any:
+        return orjson.loads(data)
+
+except ImportError:  # pragma: no cover - same keys and values, float spelling may differ
+
+    def dumps(obj: Any) -> bytes:
+        """Compact JSON as SGLang's orjson writes it (no spaces, UTF-8, key order kept)."""
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def loads(data: bytes | str) -> Any:
+        return json.loads(data)
 
 
 def _per_item(value: Any, i: int) -> Any:
@@ -263,6 +279,28 @@ class SampleState:
     logps: list[float | None] = field(default_factory=list)
     tops: list[list[float | None] | None] | None = None
     prompt_ids: list[int] | None = None
+    pending: dict[str, Any] | None = None
+
+    def offer(self, out: Mapping[str, Any]) -> None:
+        """Take one stream chunk. A cumulative chunk (its list is as long as
+        ``output_token_logprobs_length``) is superseded by the next one, so it is only kept by
+        reference and parsed when a delta or the final chunk needs it; this keeps the proxy's
+        per-chunk work to one JSON round trip in SGLang's default cumulative mode."""
+        meta = out.get("meta_info")
+        if isinstance(meta, dict) and meta.get("finish_reason") is None:
+            total = meta.get("output_token_logprobs_length")
+            entries = meta.get("output_token_logprobs")
+            if isinstance(total, int) and isinstance(entries, list) and len(entries) == total:
+                self.pending = {
+                    "meta_info": dict(meta),
+                    "prompt_token_ids": out.get("prompt_token_ids"),
+                }
+                return
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            if not _is_whole(out):
+                self.feed(pending, stream=True)
+        self.feed(out, stream=True)
 
     def feed(self, out: Mapping[str, Any], *, stream: bool) -> None:
         meta = out.get("meta_info")
@@ -349,6 +387,14 @@ class SampleState:
             entropy_tail=tail,
             entropy_source=source,
         )
+
+
+def _is_whole(out: Mapping[str, Any]) -> bool:
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict):
+        return False
+    total, entries = meta.get("output_token_logprobs_length"), meta.get("output_token_logprobs")
+    return isinstance(total, int) and isinstance(entries, list) and len(entries) == total
 
 
 def is_finished(out: Mapping[str, Any]) -> bool:
