@@ -45,7 +45,8 @@ def _free_port() -> int:
 
 @contextmanager
 def _process(args: list[str], ready_url: str) -> Iterator[None]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    extra = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), extra])))
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 30
