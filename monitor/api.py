@@ -11,6 +11,7 @@ import base64
 import csv
 import hmac
 import io
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -72,7 +73,9 @@ def encode_masks(masks: dict[str, np.ndarray], n: int) -> dict[str, Any]:
         "n": n,
         "encoding": "packbits-little-base64",
         "data": {
-            name: base64.b64encode(np.packbits(np.asarray(m, bool), bitorder="little").tobytes()).decode()
+            name: base64.b64encode(
+                np.packbits(np.asarray(m, bool), bitorder="little").tobytes()
+            ).decode()
             for name, m in masks.items()
         },
     }
@@ -91,6 +94,18 @@ def _matches(given: str | None, *expected: str | None) -> bool:
     return given is not None and any(
         e is not None and hmac.compare_digest(given.encode(), e.encode()) for e in expected
     )
+
+
+def _decode_json(body: bytes) -> Any:
+    """Strict JSON fast path; Python's json as fallback so NaN/Infinity literals (which
+    ``json.dumps`` writes) reach validation and get a message naming field and index."""
+    try:
+        return loads(body)
+    except ValueError:
+        try:
+            return json.loads(body)
+        except ValueError as e:
+            raise BatchError("body", f"body is not valid JSON: {e}") from None
 
 
 def _split(value: str | None) -> list[str]:
@@ -164,10 +179,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
             if ctype == SAFETENSORS:
                 return Batch.from_safetensors(body, nonfinite=settings.nonfinite)
             if ctype in ("", "application/json"):
-                try:
-                    obj = loads(body)
-                except ValueError as e:
-                    raise BatchError("body", f"body is not valid JSON: {e}") from None
+                obj = _decode_json(body)
                 return Batch.from_json(obj, nonfinite=settings.nonfinite)
         except BatchError as e:
             raise ApiError(422, str(e), reason=reason, field=e.field, index=e.index) from None
@@ -255,7 +267,8 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
         geo_rs_low: float | None = None, geo_rs_high: float | None = None,
         k3_rs_kappa: float | None = None,
     ) -> Any:  # fmt: skip
-        given = {k: v for k, v in locals().items() if v is not None}
+        names = settings.params.__dataclass_fields__
+        given = {k: v for k, v in locals().items() if k in names and v is not None}
         return replace(settings.params, **given)
 
     @app.post(
@@ -269,7 +282,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     )
     async def masks_endpoint(
         request: Request,
-        params: Annotated[Any, Depends(params_dep)],
+        params: Any = Depends(params_dep),  # noqa: B008 (closure: Annotated can't resolve it)
         policies: Annotated[str, Query(description="comma-separated policies, or 'all'")] = "all",
     ) -> Response:
         wanted = policies_of(policies)

@@ -1,0 +1,148 @@
+"""A small synchronous client of the timwatch HTTP API (used by the CLI and the benchmark)."""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from monitor.jsoncodec import dumps, loads
+
+__all__ = ["DEFAULT_URL", "TimwatchClient", "TimwatchHTTPError", "decode_masks"]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class TimwatchHTTPError(RuntimeError):
+    """A non-2xx answer; ``status`` and the server's ``detail``."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail
+
+
+def decode_masks(masks: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Undo the API's bit packing: ``{"n", "encoding", "data"}`` → bool arrays of length n."""
+    if masks.get("encoding") != "packbits-little-base64":
+        raise ValueError(f"unknown mask encoding {masks.get('encoding')!r}")
+    n = int(masks["n"])
+    return {
+        name: np.unpackbits(
+            np.frombuffer(base64.b64decode(b64), np.uint8), count=n, bitorder="little"
+        ).astype(bool)
+        for name, b64 in masks["data"].items()
+    }
+
+
+class TimwatchClient:
+    """Thin wrapper over httpx; tokens default to TIMWATCH_TOKEN / TIMWATCH_READ_TOKEN."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = (url or os.environ.get("TIMWATCH_URL") or DEFAULT_URL).rstrip("/")
+        tok = token or os.environ.get("TIMWATCH_TOKEN") or os.environ.get("TIMWATCH_READ_TOKEN")
+        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        self.http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport
+        )
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> TimwatchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check(self, r: httpx.Response) -> httpx.Response:
+        if r.status_code >= 400:
+            try:
+                detail = str(r.json().get("detail", r.text))
+            except ValueError:
+                detail = r.text
+            raise TimwatchHTTPError(r.status_code, detail)
+        return r
+
+    @staticmethod
+    def _body(batch: Any, fmt: str) -> tuple[bytes, str]:
+        if isinstance(batch, (bytes, bytearray)):
+            ctype = "application/x-safetensors" if fmt == "safetensors" else "application/json"
+            return bytes(batch), ctype
+        if isinstance(batch, Mapping):
+            return dumps(batch), "application/json"
+        if fmt == "safetensors":
+            return batch.to_safetensors(), "application/x-safetensors"
+        return dumps(batch.to_json()), "application/json"
+
+    def ingest(
+        self,
+        run: str,
+        batch: Any,
+        *,
+        fmt: str = "safetensors",
+        masks: Sequence[str] | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """POST a Batch (or encoded bytes, or a JSON mapping) to ``/v1/runs/{run}/batches``."""
+        body, ctype = self._body(batch, fmt)
+        params: list[tuple[str, str | int | float | bool | None]] = []
+        if masks:
+            params.append(("masks", ",".join(masks)))
+        params += [("tag", f"{k}={v}") for k, v in (tags or {}).items()]
+        r = self.http.post(
+            f"/v1/runs/{run}/batches", content=body, params=params,
+            headers={"Content-Type": ctype},
+        )  # fmt: skip
+        return loads(self._check(r).content)
+
+    def masks(
+        self, batch: Any, policies: Sequence[str] = ("estr",), *, fmt: str = "safetensors",
+        **params: float,
+    ) -> dict[str, np.ndarray]:  # fmt: skip
+        body, ctype = self._body(batch, fmt)
+        q = {"policies": ",".join(policies), **{k: str(v) for k, v in params.items()}}
+        r = self.http.post("/v1/masks", content=body, params=q, headers={"Content-Type": ctype})
+        return decode_masks(loads(self._check(r).content))
+
+    def runs(self) -> list[dict[str, Any]]:
+        return loads(self._check(self.http.get("/v1/runs")).content)["runs"]
+
+    def metrics(
+        self,
+        run: str,
+        names: Sequence[str],
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        last: int | None = None,
+        csv: bool = False,
+    ) -> Any:
+        """``{"steps": [...], "series": {...}}``, or the CSV text with ``csv=True``."""
+        params: dict[str, Any] = {"names": ",".join(names)}
+        for k, v in (("from_step", from_step), ("to_step", to_step), ("last", last)):
+            if v is not None:
+                params[k] = v
+        if csv:
+            params["format"] = "csv"
+        r = self._check(self.http.get(f"/v1/runs/{run}/metrics", params=params))
+        return r.text if csv else loads(r.content)
+
+    def step(self, run: str, step: int) -> dict[str, Any]:
+        return loads(self._check(self.http.get(f"/v1/runs/{run}/steps/{step}")).content)
+
+    def health(self) -> dict[str, Any]:
+        return loads(self._check(self.http.get("/healthz")).content)
+
+    def exposition(self) -> str:
+        return self._check(self.http.get("/metrics")).text
