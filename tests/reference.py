@@ -62,9 +62,15 @@ def clamp(x: float, lim: float = CLAMP) -> float:
 
 
 def k3(d: float) -> float:
-    """k3 = expm1(δc) − δc on the clamped δ (definitions.md), exact to float64 rounding."""
+    """k3 = expm1(δc) − δc on the clamped δ (definitions.md), to float64 rounding.
+
+    Below |δ| = 1e-3 the subtraction itself would cancel (at δ = 1e-9 it keeps 7 digits), so
+    there the Taylor series δ²/2! + δ³/3! + … is summed instead (truncation < 1e-20 relative).
+    """
     dc = clamp(d)
-    return math.expm1(dc) - dc
+    if abs(dc) >= 1e-3:
+        return math.expm1(dc) - dc
+    return math.fsum(dc**k / math.factorial(k) for k in range(2, 9))
 
 
 def bernoulli_kl(a: float, b: float) -> float:
@@ -215,6 +221,11 @@ def reference(
     row["noise_scale"] = math.fsum(dsq) / math.fsum(hh + eps for hh in h) if n else None
     sc["noise_scale"] = 1.0
     row["entropy_delta_corr"] = _pearson(dsq, h)
+    if row["entropy_delta_corr"] is not None:
+        # Cancellation factor of moments from raw sums: E[x²]/Var x per variable.
+        cx = _mean([x * x for x in dsq]) / _pop_var(dsq)  # type: ignore[operator]
+        cy = _mean([y * y for y in h]) / _pop_var(h)  # type: ignore[operator]
+        sc["entropy_delta_corr"] = cx + cy + math.sqrt(cx * cy)
 
     # Sequences with n_s > 0.
     seq_d: dict[int, list[float]] = {}
@@ -225,10 +236,19 @@ def reference(
     seqs = sorted(seq_d)
     big_l = {s: math.fsum(seq_d[s]) for s in seqs}
     row["sequences"] = len(seqs)
+    # L_s is a sum that may cancel: its legitimate rounding error scales with Σ|δ|, so the
+    # scales below carry each term's sensitivity to L_s times Σ_{t∈s}|δ_t|.
+    abs_sum = {s: math.fsum(abs(x) for x in seq_d[s]) for s in seqs}
+    geo = {s: math.exp(clamp(big_l[s] / len(seq_d[s]))) for s in seqs}
+    chi = {s: math.expm1(2.0 * clamp(big_l[s])) for s in seqs}
     put("seq_log_ratio_abs_mean", [abs(big_l[s]) for s in seqs])
+    sc["seq_log_ratio_abs_mean"] = _scale([abs_sum[s] for s in seqs])
     row["seq_log_ratio_abs_max"] = max(abs(big_l[s]) for s in seqs) if seqs else None
-    put("seq_geo_ratio_mean", [math.exp(clamp(big_l[s] / len(seq_d[s]))) for s in seqs])
-    put("chi2_seq", [math.expm1(2.0 * clamp(big_l[s])) for s in seqs], plus=1.0)
+    sc["seq_log_ratio_abs_max"] = max(abs_sum.values()) if seqs else 0.0
+    put("seq_geo_ratio_mean", list(geo.values()))
+    sc["seq_geo_ratio_mean"] = _scale([geo[s] * (1 + abs_sum[s] / len(seq_d[s])) for s in seqs])
+    put("chi2_seq", list(chi.values()))
+    sc["chi2_seq"] = _scale([(chi[s] + 1) * (1 + 2 * abs_sum[s]) for s in seqs], plus=1.0)
 
     # Policies (shadow evaluation of all of them).
     mask_ratio: dict[str, float | None] = {}

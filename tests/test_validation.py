@@ -17,12 +17,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from batches import random_batches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save
 
 from monitor.batch import Batch, BatchError
+from monitor.engine import accumulate
 
 # Two sequences, five tokens: cu_seqlens [0, 2, 5].
 BASE: dict[str, Any] = {
@@ -235,7 +237,6 @@ def test_error_at_large_index_names_it() -> None:
 
 
 def test_torch_tensors_refused_too() -> None:
-    torch = pytest.importorskip("torch")
     obj = patched("entropy", 2, math.nan)
     arrays = {k: torch.tensor(v) for k, v in obj.items() if isinstance(v, list)}
     expect(lambda: Batch.from_arrays(**arrays), "entropy", 2, "nan")
@@ -383,10 +384,9 @@ def test_roundtrip_json_safetensors_arrays() -> None:
 
 
 def test_roundtrip_rows_identical() -> None:
-    engine = pytest.importorskip("monitor.engine")
     for raw in random_batches(12, 4, optional="all"):
         rows = [
-            engine.accumulate(b).row().to_dict()
+            accumulate(b).row().to_dict()
             for b in (
                 Batch.from_arrays(**raw.from_arrays_kwargs()),
                 Batch.from_json(raw.json_roundtrip()),
