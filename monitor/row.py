@@ -149,8 +149,8 @@ def derive_row(acc: Accumulator) -> MetricRow:
         for b in np.flatnonzero(acc.lb_seqs).tolist()
     }
     row.heatmap = {
-        "entropy_edges": list(HEATMAP_ENTROPY_EDGES) + [math.inf],
-        "abs_log_ratio_edges": list(HEATMAP_ABS_DELTA_EDGES) + [math.inf],
+        "entropy_edges": list(HEATMAP_ENTROPY_EDGES),  # last bin open-ended
+        "abs_log_ratio_edges": list(HEATMAP_ABS_DELTA_EDGES),
         "all": acc.heat_all.tolist(),
         "estr_rejected": acc.heat_rej.tolist(),
     }

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one test command: installs what the tests use (Debian prometheus, prometheus-alertmanager,
+# postgresql; a virtualenv with timwatch[test]), starts a throw-away PostgreSQL on 127.0.0.1 and
+# runs the whole suite. Extra arguments go to pytest (e.g. `scripts/test.sh -k engine`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+command -v alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing Debian packages: ${need[*]}" >&2
+  SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+
+export TIMWATCH_TEST_PG_URL="${TIMWATCH_TEST_PG_URL:-$(bash .ci/start-postgres.sh | tail -n1)}"
+echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
+
+.venv/bin/ruff check monitor sidecar dashboards alerts tests benchmarks
+.venv/bin/mypy monitor
+.venv/bin/python -m pytest -p no:cacheprovider "$@"
