@@ -26,8 +26,10 @@ __all__ = [
     "heat_bin",
     "k3",
     "keep_token",
+    "near_boundary",
     "reference",
     "seq_keep",
+    "seq_near_boundary",
 ]
 
 TOKEN_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis")
@@ -96,6 +98,46 @@ def keep_token(policy: str, lt: float, lr: float, h: float, p: RefParams) -> boo
         qq = min(max(math.exp(lr), P_CLIP), 1.0 - P_CLIP)
         return max(bernoulli_kl(pp, qq), bernoulli_kl(qq, pp)) <= p.kpop_phi
     raise ValueError(policy)
+
+
+def near_boundary(policy: str, lt: float, lr: float, h: float, p: RefParams) -> bool:
+    """Whether a token lies within float64 rounding of a policy threshold.
+
+    There the literal float64 rule and an equally valid evaluation (in log space, via expm1)
+    may disagree — at δ = 3e-59 with C = 1, e^δ rounds to 1 ≤ C while δ > ln C — and neither is
+    wrong. Property tests skip such tokens; ESTR and delta_abs are compared on all tokens.
+    """
+    d = lt - lr
+    r = math.exp(clamp(d))
+    rel = 1e-12
+    if policy == "icepop":
+        return (
+            abs(r - p.icepop_low) <= rel * p.icepop_low
+            or abs(r - p.icepop_high) <= rel * p.icepop_high
+        )
+    if policy == "tis":
+        return abs(r - p.tis_c) <= rel * p.tis_c
+    if policy == "kpop":
+        pp = min(max(math.exp(lt), P_CLIP), 1.0 - P_CLIP)
+        qq = min(max(math.exp(lr), P_CLIP), 1.0 - P_CLIP)
+        div = max(bernoulli_kl(pp, qq), bernoulli_kl(qq, pp))
+        return abs(div - p.kpop_phi) <= 1e-9 * p.kpop_phi
+    return False
+
+
+def seq_near_boundary(policy: str, deltas: Sequence[float], p: RefParams) -> bool:
+    """Sequence analogue of ``near_boundary`` (L_s is a sum: allow 1e-9 relative)."""
+    big_l = math.fsum(deltas)
+    rel = 1e-9 * (1.0 + math.fsum(abs(x) for x in deltas))
+    if policy == "seq_mis":
+        lo, hi, x = math.log(p.seq_mis_low), math.log(p.seq_mis_high), big_l
+    elif policy == "geo_rs":
+        lo, hi, x = math.log(p.geo_rs_low), math.log(p.geo_rs_high), big_l / len(deltas)
+        rel /= len(deltas)
+    else:
+        m = math.fsum(k3(d) for d in deltas) / len(deltas)
+        return abs(m - p.k3_rs_kappa) <= 1e-9 * p.k3_rs_kappa
+    return abs(x - lo) <= rel or abs(x - hi) <= rel
 
 
 def seq_keep(policy: str, deltas: Sequence[float], p: RefParams) -> bool:

@@ -224,12 +224,13 @@ def test_fp16_sized_single_token_sequences() -> None:
 def test_clamped_deltas_constant_entropy_and_drop() -> None:
     # one sequence: t0 μ=−30, π=0 → δ=30 (r clamps to e^20) | t1 μ=0, π=−25 → δ=−25
     # (r = e^−20) | t2 δ = 0 | t3 logp_rollout NaN → dropped under nonfinite="drop"
-    # H = 0.1 everywhere (constant).
+    # H = 0.7 everywhere (constant; 0.7 is not a binary fraction, so Σ(H) and Σ(H²) round and
+    # a variance formed from them is not exactly 0).
     obj = {
         "cu_seqlens": [0, 4],
         "logp_rollout": [-30.0, 0.0, -1.0, math.nan],
         "logp_train": [0.0, -25.0, -1.0, 0.0],
-        "entropy": [0.1, 0.1, 0.1, 0.1],
+        "entropy": [0.7, 0.7, 0.7, 0.7],
         "loss_mask": [1, 1, 1, 1],
         "token_ids": [1, 2, 3, 4],
         "token_ids_train": [1, 2, 3, 4],
@@ -268,9 +269,9 @@ def test_clamped_deltas_constant_entropy_and_drop() -> None:
             "seq_log_ratio_abs_max": 5.0,
             "seq_geo_ratio_mean": math.exp(5 / 3),
             "chi2_seq": math.exp(10) - 1,
-            "entropy_mean": 0.1,
-            "noise_scale": 1525 / (3 * 0.11),
-            "entropy_delta_corr": None,  # Var H = 0 exactly, whatever rounding Σ(0.1) leaves
+            "entropy_mean": 0.7,
+            "noise_scale": 1525 / (3 * 0.71),
+            "entropy_delta_corr": None,  # Var H = 0: Pearson undefined → null
             "version_lag_mean": 1 / 3,  # lags 1, 0, 0
             "version_lag_max": 1,
             "intra_switch_ratio": 1.0,
@@ -278,7 +279,7 @@ def test_clamped_deltas_constant_entropy_and_drop() -> None:
         },
         rtol=1e-9,
     )
-    # estr: δ² 900, 625 > 1.6·0.11 → 2 of 3; delta_abs same; icepop: e^±20 outside → 2/3;
+    # estr: δ² 900, 625 > 1.6·0.71 → 2 of 3; delta_abs same; icepop: e^±20 outside → 2/3;
     # kpop: p or q clipped to 1e-8 against 1 − 1e-8 → 2/3; tis: only e^20 > 2 → 1/3;
     # sequence: e^5 > 2, e^{5/3} > 1.001, mean k3 ≫ 0.01 → all rejected
     third = 1 / 3
@@ -293,11 +294,11 @@ def test_clamped_deltas_constant_entropy_and_drop() -> None:
         "k3_rs": 1.0,
     }
     assert row["seq_reject_ratio"] == {"seq_mis": 1.0, "geo_rs": 1.0, "k3_rs": 1.0}
-    # H = 0.1 → row 3 (left-closed [0.1, 0.3)); |δ| 30, 25 → column 5, 0 → column 0
-    assert row["heatmap"]["all"] == heat({(3, 5): 2, (3, 0): 1})
-    assert row["heatmap"]["estr_rejected"] == heat({(3, 5): 2})
+    # H = 0.7 → row 4 ([0.3, 1)); |δ| 30, 25 → column 5, 0 → column 0
+    assert row["heatmap"]["all"] == heat({(4, 5): 2, (4, 0): 1})
+    assert row["heatmap"]["estr_rejected"] == heat({(4, 5): 2})
     lags = {int(k): v for k, v in row["lag_buckets"].items()}
     assert lags[0]["tokens"] == 2 and approx(lags[0]["mismatch_kl"], (19 + ei) / 2, 1e-9)
     assert lags[1]["tokens"] == 1 and approx(lags[1]["mismatch_kl"], E20 - 21, 1e-9)
     worst = [(w["index"], w["pos"]) for w in row["worst_tokens"]]
-    assert worst == [(0, 0), (1, 1), (2, 2)]  # S = 900/.11, 625/.11, 0; the NaN token is gone
+    assert worst == [(0, 0), (1, 1), (2, 2)]  # S = 900/.71, 625/.71, 0; the NaN token is gone
