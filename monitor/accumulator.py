@@ -41,9 +41,9 @@ def _zeros_f(*shape: int) -> F64:
 
 
 def _initial_extrema() -> F64:
-    ext = np.zeros(M.size, dtype=np.float64)
-    ext[M.r] = -math.inf
-    ext[M.r_min] = math.inf
+    ext = np.full(M.size, -math.inf, dtype=np.float64)
+    ext[[M.ad, M.pdiff, M.seq_abs_l]] = 0.0
+    ext[list(M.MINIMA)] = math.inf
     return ext
 
 
@@ -121,12 +121,11 @@ class Accumulator:
 
     @property
     def sum_is_ratio(self) -> float:
-        """Σr = N + Σ(r − 1): kept shifted so that small deviations survive float64."""
-        return self.tokens + float(self.fsum[F.rm1])
+        return float(self.fsum[F.r])
 
     @property
     def sum_is_ratio_sq(self) -> float:
-        return self.tokens + 2.0 * float(self.fsum[F.rm1]) + float(self.fsum[F.rm1sq])
+        return float(self.fsum[F.r2])
 
     @property
     def masked_tokens(self) -> dict[str, int]:
@@ -154,7 +153,8 @@ class Accumulator:
             if isinstance(a, np.ndarray) and f.name != "fext":
                 setattr(out, f.name, a + b)
         out.fext = np.maximum(self.fext, other.fext)
-        out.fext[M.r_min] = min(self.fext[M.r_min], other.fext[M.r_min])
+        minima = list(M.MINIMA)
+        out.fext[minima] = np.minimum(self.fext[minima], other.fext[minima])
         for name in (
             "batches", "nonfinite_tokens", "lag_tokens", "lag_sum", "version_seqs",
             "switch_seqs", "tid_tokens", "tid_mismatch", "old_tokens", "old_sum_disc",

@@ -207,9 +207,19 @@ def _safetensors_header(data: bytes) -> dict[str, Any]:
         raise BatchError("body", "invalid safetensors header: not an object")
     for name, info in header.items():
         if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise BatchError("__metadata__", "safetensors metadata must map names to strings")
             continue
-        end = info.get("data_offsets", [0, 0])[1] if isinstance(info, dict) else 0
-        if not isinstance(end, int) or 8 + n + end > len(data):
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not isinstance(info.get("dtype"), str)
+            or not isinstance(info.get("shape"), list)
+        ):
+            raise BatchError(name, f"invalid safetensors: tensor {name!r} has a malformed header")
+        if 8 + n + offsets[1] > len(data):
             raise BatchError(name, f"invalid safetensors: tensor {name!r} is truncated")
     return header
 
@@ -291,7 +301,7 @@ def _check_dtypes(arrays: dict[str, np.ndarray]) -> None:
             ok = kind in "fiu"
             want = "numbers"
         elif name == "loss_mask":
-            ok = kind in "iub"
+            ok = kind in "iubf"  # float masks (verl's response_mask) are checked for 0/1 below
             want = "integers 0/1 or booleans"
         else:
             ok = kind in "iu"
@@ -310,10 +320,10 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
     for name in REQUIRED_FIELDS:
         if name not in arrays:
             raise BatchError(name, f"missing required field {name!r}")
-    _check_dtypes(arrays)
     n = int(arrays["logp_rollout"].shape[0])
     if n == 0:
         raise BatchError("logp_rollout", "empty batch: logp_rollout has no tokens")
+    _check_dtypes(arrays)
     for name in _TOKEN_FIELDS:
         if name in arrays and arrays[name].shape[0] != n:
             raise BatchError(

@@ -135,5 +135,5 @@ def fine_quantile(
         return 0.0
     lo, hi = layout.lower_edge(index), layout.upper_edge(index)
     if math.isinf(hi):
-        return lo
+        return math.inf  # the overflow bin has no centre: callers clip to the observed max
     return math.sqrt(lo * hi)

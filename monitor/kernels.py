@@ -26,14 +26,17 @@ class F:
 
     d, ad, d2, k3, rm1, rm1sq, h, h2, d2h, d4, pdiff, score = range(12)
     seq_abs_l, seq_geo, seq_exp2l = range(12, 15)
-    size = 15
+    r, r2 = 15, 16  # raw Σr, Σr² beside the shifted Σ(r−1), Σ(r−1)²: each is exact in one regime
+    size = 17
 
 
 class M:
-    """Indices of the extrema vector (max unless named min)."""
+    """Indices of the extrema vector: maxima, then minima (MINIMA)."""
 
-    ad, pdiff, r, r_min, seq_abs_l = range(5)
-    size = 5
+    ad, pdiff, d_max, seq_abs_l, h_max, d2_max = range(6)
+    d_min, h_min, d2_min = range(6, 9)
+    MINIMA = (6, 7, 8)
+    size = 9
 
 
 class C:
@@ -178,13 +181,18 @@ def _log(x):  # type: ignore[no-untyped-def]
 
 @njit(inline="always", cache=True, error_model="numpy")
 def _k3_rm1(d):  # type: ignore[no-untyped-def]
-    """(k3, r − 1) for δ, branch-free: series below |δ| = 1e-2 (where exp − 1 would cancel),
+    """(k3, r − 1, r) for δ, branch-free: series below |δ| = 1e-2 (where exp − 1 would cancel),
     exp of the clamped δ above."""
     ser = d * d * (0.5 + d * (1 / 6 + d * (1 / 24 + d * (1 / 120 + d * (1 / 720 + d / 5040)))))
     dc = min(max(d, -20.0), 20.0)
-    em1 = _exp(dc) - 1.0
+    r = _exp(dc)
+    em1 = r - 1.0
     small = abs(d) < 1e-2
-    return (ser if small else em1 - dc), (d + ser if small else em1)
+    return (
+        (ser if small else em1 - dc),
+        (d + ser if small else em1),
+        (1.0 + (d + ser) if small else r),
+    )
 
 
 @njit(cache=True, error_model="numpy")
@@ -193,7 +201,7 @@ def k3_of(mu, pi, mask):  # type: ignore[no-untyped-def]
     out = np.zeros(mu.shape[0], dtype=np.float64)
     for t in range(mu.shape[0]):
         if mask[t]:
-            out[t] = _k3_rm1(float(pi[t]) - float(mu[t]))[0]
+            out[t] = _k3_rm1(np.float64(pi[t]) - np.float64(mu[t]))[0]
     return out
 
 
@@ -211,21 +219,23 @@ def _fine_index(x, biased_lo, octaves, sub_bits, last):  # type: ignore[no-untyp
 _C_TOKENS, _C_SEQ, _C_TOK, _C_SEQR = C.tokens, C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
+M_AD, M_PD, M_DMAX, M_DMIN = M.ad, M.pdiff, M.d_max, M.d_min
+M_HMAX, M_HMIN, M_D2MAX, M_D2MIN = M.h_max, M.h_min, M.d2_max, M.d2_min
 
 
 _CHUNK = 512
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _token_phase(mu, pi, ent, c0, c1, params, b_k3, b_rm1, b_pdiff, b_kpop, b_score):  # type: ignore[no-untyped-def]
+def _token_phase(mu, pi, ent, c0, c1, params, b_k3, b_rm1, b_r, b_pdiff, b_kpop, b_score):  # type: ignore[no-untyped-def]
     """Vectorisable part: every transcendental of the chunk [c0, c1), masked or not."""
     eps, phi = params[1], params[5]
     for i in range(c0, c1):
         j = i - c0
-        m = float(mu[i])
-        p = float(pi[i])
+        m = np.float64(mu[i])
+        p = np.float64(pi[i])
         d = p - m
-        k3, rm1 = _k3_rm1(d)
+        k3, rm1, r = _k3_rm1(d)
         q = _exp(m)
         ep = _exp(p)
         pp = q + q * rm1 if abs(d) <= 20.0 else ep
@@ -238,9 +248,10 @@ def _token_phase(mu, pi, ent, c0, c1, params, b_k3, b_rm1, b_pdiff, b_kpop, b_sc
         d_qp = qc * (lq - lp) - (1.0 - qc) * lam
         b_k3[j] = k3
         b_rm1[j] = rm1
+        b_r[j] = r
         b_pdiff[j] = abs(pp - q)
         b_kpop[j] = np.float64(max(d_pq, d_qp) > phi)
-        b_score[j] = d * d / (float(ent[i]) + eps)
+        b_score[j] = d * d / (np.float64(ent[i]) + eps)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -272,6 +283,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     n_hd = hd_edges.shape[0]
     b_k3 = np.empty(_CHUNK)
     b_rm1 = np.empty(_CHUNK)
+    b_r = np.empty(_CHUNK)
     b_pdiff = np.empty(_CHUNK)
     b_kpop = np.empty(_CHUNK)
     b_score = np.empty(_CHUNK)
@@ -280,7 +292,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
         if worst_score[i] < worst_score[wmin]:
             wmin = i
     s_d = s_ad = s_d2 = s_k3 = s_rm1 = s_rm1sq = s_h = s_h2 = s_d2h = s_d4 = s_pd = s_sc = 0.0
-    m_ad, m_pd, m_r, m_rmin = fext[0], fext[1], fext[2], fext[3]
+    s_r = s_r2 = 0.0
+    m_ad, m_pd, m_dmax, m_dmin = fext[M_AD], fext[M_PD], fext[M_DMAX], fext[M_DMIN]
+    m_hmax, m_hmin, m_d2max, m_d2min = fext[M_HMAX], fext[M_HMIN], fext[M_D2MAX], fext[M_D2MIN]
     r_estr = r_dabs = r_ice = r_tis = 0
     r_kpop = 0.0
     n_tok = 0
@@ -295,7 +309,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     k3_s = 0.0
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
-        _token_phase(mu, pi, ent, c0, c1, params, b_k3, b_rm1, b_pdiff, b_kpop, b_score)
+        _token_phase(mu, pi, ent, c0, c1, params, b_k3, b_rm1, b_r, b_pdiff, b_kpop, b_score)
         for t in range(c0, c1):
             if t == seq_end:
                 if n_s > 0:
@@ -314,8 +328,8 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             if mask[t] == 0:
                 continue
             j = t - c0
-            h = float(ent[t])
-            d = float(pi[t]) - float(mu[t])
+            h = np.float64(ent[t])
+            d = np.float64(pi[t]) - np.float64(mu[t])
             ad = abs(d)
             d2 = d * d
             k3 = b_k3[j]
@@ -333,17 +347,23 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             s_h2 += h * h
             s_d2h += d2 * h
             s_d4 += d2 * d2
-            r = 1.0 + rm1
+            r = b_r[j]
+            s_r += r
+            s_r2 += r * r
             m_ad = max(m_ad, ad)
-            m_r = max(m_r, r)
-            m_rmin = min(m_rmin, r)
+            m_dmax = max(m_dmax, d)
+            m_dmin = min(m_dmin, d)
+            m_hmax = max(m_hmax, h)
+            m_hmin = min(m_hmin, h)
+            m_d2max = max(m_d2max, d2)
+            m_d2min = min(m_d2min, d2)
             pdiff = b_pdiff[j]
             s_pd += pdiff
             m_pd = max(m_pd, pdiff)
             r_kpop += b_kpop[j]
             estr_rej = d2 > tau * (h + eps)
             r_estr += estr_rej
-            r_dabs += ad > dabs_c
+            r_dabs += d2 > dabs_c
             dc = min(max(d, -20.0), 20.0)
             r_ice += (dc < ice_lo) | (dc > ice_hi)
             r_tis += dc > tis_c
@@ -394,10 +414,16 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     fsum[9] += s_d4
     fsum[10] += s_pd
     fsum[11] += s_sc
-    fext[0] = m_ad
-    fext[1] = m_pd
-    fext[2] = m_r
-    fext[3] = m_rmin
+    fsum[15] += s_r
+    fsum[16] += s_r2
+    fext[M_AD] = m_ad
+    fext[M_PD] = m_pd
+    fext[M_DMAX] = m_dmax
+    fext[M_DMIN] = m_dmin
+    fext[M_HMAX] = m_hmax
+    fext[M_HMIN] = m_hmin
+    fext[M_D2MAX] = m_d2max
+    fext[M_D2MIN] = m_d2min
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -18,6 +18,7 @@ from monitor.histograms import (
     fine_quantile,
 )
 from monitor.kernels import F, M
+from monitor.masks import CLAMP
 
 if TYPE_CHECKING:
     from monitor.accumulator import Accumulator
@@ -122,15 +123,18 @@ def derive_row(acc: Accumulator) -> MetricRow:
         row.log_ratio_abs_p99 = None if p99 is None else min(p99, float(e[M.ad]))
         row.prob_abs_diff_mean = s[F.pdiff] / n
         row.prob_abs_diff_max = float(e[M.pdiff])
-        row.is_ratio_mean = 1.0 + rm1
+        row.is_ratio_mean = acc.sum_is_ratio / n
         row.is_ratio_std = math.sqrt(max(rm1sq - rm1 * rm1, 0.0))
-        row.is_ratio_min = float(e[M.r_min])
-        row.is_ratio_max = float(e[M.r])
-        row.is_ess = acc.sum_is_ratio**2 / (n * acc.sum_is_ratio_sq)
+        row.is_ratio_min = math.exp(min(max(float(e[M.d_min]), -CLAMP), CLAMP))
+        row.is_ratio_max = math.exp(min(max(float(e[M.d_max]), -CLAMP), CLAMP))
+        row.is_ess = acc.sum_is_ratio**2 / (n * acc.sum_is_ratio_sq)  # r ≥ e^-20 > 0
         row.chi2_token = 2.0 * rm1 + rm1sq
         row.entropy_mean = s[F.h] / n
         row.noise_scale = s[F.d2] / (s[F.h] + n * acc.params.eps)
-        row.entropy_delta_corr = _pearson(n, s[F.d2], s[F.h], s[F.d4], s[F.h2], s[F.d2h])
+        constant = e[M.h_min] == e[M.h_max] or e[M.d2_min] == e[M.d2_max]
+        row.entropy_delta_corr = (
+            None if constant else _pearson(n, s[F.d2], s[F.h], s[F.d4], s[F.h2], s[F.d2h])
+        )
     if acc.sequences:
         ns = acc.sequences
         row.seq_log_ratio_abs_mean = s[F.seq_abs_l] / ns
