@@ -186,10 +186,11 @@ def plan_request(body: Any, topk: int | None) -> RequestPlan | None:
     raised_topk = False
     upstream_topk = max(want_topk)
     if topk and not any(body.get(flag) for flag in _FLAT_FLAGS):
-        if isinstance(tk, list):
-            raised = [max(int(v or 0), topk) for v in tk]
-        else:
-            raised = max(int(tk or 0), topk)
+        raised: int | list[int] = (
+            [max(int(v or 0), topk) for v in tk]
+            if isinstance(tk, list)
+            else max(int(tk or 0), topk)
+        )
         raised_topk = any(k < topk for k in want_topk)
         if raised_topk or added_logprob:
             new["top_logprobs_num"] = raised
