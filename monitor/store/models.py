@@ -108,6 +108,8 @@ steps_table = Table(
     Column("entropy_source", String(16), nullable=True),
     *(Column(name, BigInteger, nullable=True) for name in COUNT_COLUMNS),
     *(Column(name, Double, nullable=True) for name in FLOAT_COLUMNS),
+    # SQLite: cluster rows by (run_id, step) so a series query is one ordered B-tree scan
+    sqlite_with_rowid=False,
 )
 
 

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from operator import itemgetter
 from typing import Any, cast
 
 from sqlalchemy import Connection, Table, func, insert, select, update
@@ -245,26 +246,42 @@ class Store:
         unknown = [n for n in names if n not in METRIC_COLUMNS]
         if unknown:
             raise KeyError(unknown[0])
-        cols = [steps_table.c[n] for n in names]
-        stmt = select(steps_table.c.step, *cols).where(steps_table.c.run_id == run)
+        # The one hot read path: plain DBAPI cursor (SQLAlchemy's row processing costs 3x here
+        # on 100k rows); names are whitelisted above and quoted by the dialect.
+        quote = self.engine.dialect.identifier_preparer.quote
+        ph = (lambda k: f":{k}") if self.sqlite else (lambda k: f"%({k})s")
+        where = [f"run_id = {ph('run')}"]
+        params: dict[str, Any] = {"run": run}
         if from_step is not None:
-            stmt = stmt.where(steps_table.c.step >= from_step)
+            where.append(f"step >= {ph('lo')}")
+            params["lo"] = from_step
         if to_step is not None:
-            stmt = stmt.where(steps_table.c.step <= to_step)
+            where.append(f"step <= {ph('hi')}")
+            params["hi"] = to_step
+        sql = f"SELECT step, {', '.join(quote(n) for n in names)} FROM steps WHERE "
+        sql += " AND ".join(where)
         if last is not None:
-            stmt = stmt.order_by(steps_table.c.step.desc()).limit(last)
+            sql += f" ORDER BY step DESC LIMIT {int(last)}"
         else:
-            stmt = stmt.order_by(steps_table.c.step)
+            sql += " ORDER BY step"
 
         def go() -> tuple[list[int], dict[str, list[Any]]]:
             with self.engine.connect() as conn:
-                rows = list(conn.execute(stmt).all())
+                raw = conn.connection.dbapi_connection
+                assert raw is not None
+                cur = raw.cursor()
+                try:
+                    cur.execute(sql, params)
+                    rows = list(cur.fetchall())
+                finally:
+                    cur.close()
             if last is not None:
                 rows.reverse()
             if not rows:
                 return [], {n: [] for n in names}
-            columns = list(zip(*rows, strict=True))
-            return list(columns[0]), {n: list(c) for n, c in zip(names, columns[1:], strict=True)}
+            # itemgetter columns: ~6x cheaper than zip(*rows) on 100k rows
+            steps = list(map(itemgetter(0), rows))
+            return steps, {n: list(map(itemgetter(i), rows)) for i, n in enumerate(names, 1)}
 
         return self._guard(go)
 

@@ -79,6 +79,7 @@ def upgrade() -> None:
         sa.Column("entropy_source", sa.String(16), nullable=True),
         *(sa.Column(name, sa.BigInteger, nullable=True) for name in _COUNTS),
         *(sa.Column(name, sa.Double, nullable=True) for name in _FLOATS),
+        sqlite_with_rowid=False,
     )
     op.create_table(
         "step_details",
