@@ -383,7 +383,8 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             hr = h_table[_fine_index(h, h_lo, h_oct, h_sub, h_last)]
             hr += hr + 1 < n_h and h >= h_edges[hr + 1]
             heat_all[hr, hc] += 1
-            heat_rej[hr, hc] += estr_rej
+            if estr_rej:  # rare: a predictable branch beats an unconditional read-modify-write
+                heat_rej[hr, hc] += 1
             if score > worst_score[wmin]:
                 worst_score[wmin] = score
                 worst_index[wmin] = t

@@ -22,7 +22,7 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 
-export TIMWATCH_TEST_PG_URL="${TIMWATCH_TEST_PG_URL:-$(bash .ci/start-postgres.sh | tail -n1)}"
+export TIMWATCH_TEST_PG_URL="${TIMWATCH_TEST_PG_URL:-$(PGDIR="${PGDIR:-/tmp/timwatch-pg-tests}" bash .ci/start-postgres.sh | tail -n1)}"
 echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
 
 .venv/bin/ruff check monitor sidecar dashboards alerts tests benchmarks
