@@ -6,6 +6,9 @@ adds `.row()` for the common one-batch case.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from monitor.accumulator import TOP_K, Accumulator
@@ -24,7 +27,7 @@ from monitor.kernels import core_kernel, k3_of
 from monitor.masks import PolicyParams
 from monitor.row import MetricRow
 
-__all__ = ["Accumulator", "MetricRow", "accumulate", "analyze"]
+__all__ = ["KERNEL_THREADS", "Accumulator", "MetricRow", "accumulate", "analyze"]
 
 
 def _layout_vector(layout: FineLayout) -> np.ndarray:
@@ -41,19 +44,72 @@ _H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
 _HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
 
 
-def accumulate(batch: Batch, params: PolicyParams | None = None) -> Accumulator:
-    """The additive accumulator of one validated batch (every metric, every policy)."""
-    acc = Accumulator(params=params or PolicyParams())
+def accumulate(batch: Batch, params: PolicyParams | None = None, threads: int = 1) -> Accumulator:
+    """The additive accumulator of one validated batch (every metric, every policy).
+
+    With `threads > 1` a large batch is split at sequence boundaries and the parts run the
+    kernel concurrently (it releases the GIL); their accumulators merge exactly, so the result
+    equals the single-threaded one up to float summation order.
+    """
+    p = params or PolicyParams()
+    parts = _split(batch, threads if batch.num_tokens >= _PARALLEL_MIN_TOKENS else 1)
+    if len(parts) == 1:
+        results = [_run_kernel(batch, p, 0, batch.num_sequences)]
+    else:
+        pool = _executor(len(parts))
+        results = list(pool.map(lambda r: _run_kernel(batch, p, *r), parts))
+    acc = results[0][0]
+    for other, _, _ in results[1:]:
+        acc = acc.merge(other)
     acc.batches = 1
     acc.step = batch.step
     acc.policy_version = batch.policy_version
     acc.entropy_source = batch.entropy_source
     acc.nonfinite_tokens = batch.nonfinite_tokens
+    score = np.concatenate([r[1] for r in results])
+    index = np.concatenate([r[2] for r in results])
+    best = np.lexsort((index, -score))[:TOP_K]
+    acc.worst = _worst_tokens(batch, score[best], index[best])
+    _optional_inputs(batch, acc)
+    return acc
+
+
+_PARALLEL_MIN_TOKENS = 1 << 17
+KERNEL_THREADS = min(4, os.cpu_count() or 1)  # what the service uses for large batches
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL._max_workers < workers:
+        _POOL = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="timwatch-kernel")
+    return _POOL
+
+
+def _split(batch: Batch, parts: int) -> list[tuple[int, int]]:
+    """Sequence ranges [s0, s1) of about equal token counts (a sequence is never cut)."""
+    nseq = batch.num_sequences
+    if parts <= 1 or nseq < 2:
+        return [(0, nseq)]
+    targets = np.linspace(0, batch.num_tokens, parts + 1)[1:-1]
+    cuts = np.searchsorted(batch.cu_seqlens, targets, side="left").tolist()
+    bounds = sorted({0, nseq, *(min(max(c, 0), nseq) for c in cuts)})
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _run_kernel(
+    batch: Batch, params: PolicyParams, s0: int, s1: int
+) -> tuple[Accumulator, np.ndarray, np.ndarray]:
+    """Kernel over sequences [s0, s1); worst-token indices come back batch-global."""
+    lo, hi = int(batch.cu_seqlens[s0]), int(batch.cu_seqlens[s1])
+    cu = batch.cu_seqlens[s0 : s1 + 1] - lo
+    acc = Accumulator(params=params)
     worst_score = np.full(TOP_K, -1.0)
     worst_index = np.full(TOP_K, -1, dtype=np.int64)
     core_kernel(
-        batch.cu_seqlens, batch.logp_rollout, batch.logp_train, batch.entropy, batch.loss_mask,
-        acc.params.kernel_vector(),
+        cu, batch.logp_rollout[lo:hi], batch.logp_train[lo:hi], batch.entropy[lo:hi],
+        batch.loss_mask[lo:hi],
+        params.kernel_vector(),
         acc.fsum, acc.fext, acc.cnt,
         acc.hist_ad, acc.prom_ad, acc.prom_s, acc.heat_all, acc.heat_rej,
         acc.lb_seqs, acc.lb_tokens, acc.lb_abs_l, acc.lb_k3,
@@ -62,9 +118,8 @@ def accumulate(batch: Batch, params: PolicyParams | None = None) -> Accumulator:
         _S_LAYOUT, ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges,
         _H_LAYOUT, HEATMAP_ENTROPY_TABLE, _H_EDGES, HEATMAP_ABS_DELTA_TABLE, _HD_EDGES,
     )  # fmt: skip
-    acc.worst = _worst_tokens(batch, worst_score, worst_index)
-    _optional_inputs(batch, acc)
-    return acc
+    worst_index[worst_index >= 0] += lo
+    return acc, worst_score, worst_index
 
 
 def analyze(batch: Batch, params: PolicyParams | None = None) -> MetricRow:
@@ -74,8 +129,7 @@ def analyze(batch: Batch, params: PolicyParams | None = None) -> MetricRow:
 
 def _worst_tokens(batch: Batch, score: np.ndarray, index: np.ndarray) -> list[dict[str, object]]:
     keep = index >= 0
-    order = np.lexsort((index[keep], -score[keep]))
-    idx, sc = index[keep][order], score[keep][order]
+    idx, sc = index[keep], score[keep]
     seq = np.searchsorted(batch.cu_seqlens, idx, side="right") - 1
     out: list[dict[str, object]] = []
     for i, s, t in zip(idx.tolist(), sc.tolist(), seq.tolist(), strict=True):

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-command -v alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
+command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages: ${need[*]}" >&2

@@ -361,3 +361,20 @@ def test_additive_fields_and_buckets() -> None:
         abs_d = abs_d[np.asarray(raw.arrays["loss_mask"]) == 1]
         for edge, count in acc.abs_log_ratio_buckets():
             assert count == int(np.sum(abs_d <= edge)), edge  # Prometheus `le` semantics
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threaded_accumulate_matches_reference(threads: int, monkeypatch: Any) -> None:
+    """Splitting at sequence boundaries across threads gives the reference row too."""
+    import monitor.engine as engine
+
+    monkeypatch.setattr(engine, "_PARALLEL_MIN_TOKENS", 1)
+    rng = np.random.default_rng(threads)
+    for _ in range(4):
+        raw = random_batch(rng, n_seq=40, max_len=200, optional="all")
+        batch = Batch.from_arrays(**raw.from_arrays_kwargs())
+        got = accumulate(batch, params=engine_params(DEFAULTS), threads=threads).row().to_dict()
+        check_row(got, *run_reference(raw))
+        single = accumulate(batch, params=engine_params(DEFAULTS)).row().to_dict()
+        assert got["worst_tokens"] == single["worst_tokens"]
+        assert got["heatmap"] == single["heatmap"] and got["mask_ratio"] == single["mask_ratio"]
