@@ -38,6 +38,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+import safetensors.numpy  # noqa: F401 - imported now: a shipper importing at exit fails
+
+from monitor.batch import Batch, BatchError
 
 __all__ = ["Tap", "TapStats"]
 
@@ -322,8 +325,6 @@ class Tap:
                     self._cond.notify_all()
 
     def _encode(self, item: _Item) -> bytes | None:
-        from monitor.batch import Batch, BatchError
-
         if item.event is not None:
             item.event.synchronize()
         arrays = {name: _to_numpy(v) for name, v in item.arrays.items()}
