@@ -37,9 +37,9 @@ def _layout_vector(layout: FineLayout) -> np.ndarray:
     )
 
 
-_AD_LAYOUT = _layout_vector(ABS_DELTA_LAYOUT)
-_S_LAYOUT = _layout_vector(ESTR_SCORE_LAYOUT)
-_H_LAYOUT = _layout_vector(ENTROPY_LAYOUT)
+_LAYOUTS = np.concatenate(
+    [_layout_vector(x) for x in (ABS_DELTA_LAYOUT, ESTR_SCORE_LAYOUT, ENTROPY_LAYOUT)]
+)
 _H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
 _HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
 
@@ -114,9 +114,9 @@ def _run_kernel(
         acc.hist_ad, acc.prom_ad, acc.prom_s, acc.heat_all, acc.heat_rej,
         acc.lb_seqs, acc.lb_tokens, acc.lb_abs_l, acc.lb_k3,
         worst_score, worst_index,
-        _AD_LAYOUT, ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges,
-        _S_LAYOUT, ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges,
-        _H_LAYOUT, HEATMAP_ENTROPY_TABLE, _H_EDGES, HEATMAP_ABS_DELTA_TABLE, _HD_EDGES,
+        _LAYOUTS, ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges,
+        ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges,
+        HEATMAP_ENTROPY_TABLE, _H_EDGES, HEATMAP_ABS_DELTA_TABLE, _HD_EDGES,
     )  # fmt: skip
     worst_index[worst_index >= 0] += lo
     return acc, worst_score, worst_index

@@ -61,6 +61,7 @@ class FineLayout:
         self.coarse_table = self._coarse_table()
 
     def lower_edge(self, index: int) -> float:
+        index = int(index)
         if index <= 0:
             return 0.0
         if index >= self.bins - 1:
@@ -69,6 +70,7 @@ class FineLayout:
         return math.ldexp(1.0 + sub / self.per_octave, self.lo_exp + octave)
 
     def upper_edge(self, index: int) -> float:
+        index = int(index)
         if index >= self.bins - 1:
             return math.inf
         return (
