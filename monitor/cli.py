@@ -15,6 +15,7 @@ import typer
 from monitor.grafana import dashboards_app
 from monitor.service_cli import service_app
 from sidecar.cli import sidecar_app
+from sidecar.demo import demo
 
 __all__ = ["app", "main"]
 
@@ -27,6 +28,7 @@ app = typer.Typer(
 app.registered_commands.extend(service_app.registered_commands)
 app.add_typer(dashboards_app, name="dashboards", help="Grafana dashboards.")
 app.add_typer(sidecar_app, name="sidecar", help="Collectors in front of rollout engines.")
+app.command("demo")(demo)
 
 
 def _p(default: float, help_: str) -> object:
