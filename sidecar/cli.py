@@ -25,7 +25,21 @@ def _split_listen(listen: str) -> tuple[str, int]:
 def sglang(
     upstream: str = typer.Option(..., "--upstream", help="SGLang server URL, e.g. http://h:30000"),
     listen: str = typer.Option("127.0.0.1:30010", "--listen", help="HOST:PORT to serve on"),
-    monitor: str | None = typer.Option(None, "--monitor", help="timwatch service URL"),
+    monitor: str | None = typer.Option(
+        None,
+        "--monitor",
+        help="timwatch service URL: enables trainer reports and prefill-probe forwarding",
+    ),
+    run: str = typer.Option(
+        "default", "--run", help="Run for joined batches (probes go to <run>-prefill-probe)"
+    ),
+    token: str | None = typer.Option(
+        None,
+        "--token",
+        envvar="TIMWATCH_TOKEN",
+        help="The monitor's bearer token for writes",
+        show_default=False,
+    ),
     topk: int | None = typer.Option(
         None, "--topk", min=1, help="Request top-k logprobs to bound the rollout entropy"
     ),
@@ -39,13 +53,31 @@ def sglang(
         None, "--timeout", help="Upstream timeout in seconds (default: wait as long as clients)"
     ),
     ttl_s: float = typer.Option(900.0, "--ttl", help="Seconds an unjoined record is kept"),
+    report_ttl_s: float = typer.Option(
+        60.0, "--report-ttl", help="Seconds a trainer report waits for its rollout records"
+    ),
+    probe_batch: int = typer.Option(
+        64, "--probe-batch", min=1, help="Probe results per batch sent to the monitor"
+    ),
+    probe_flush_s: float = typer.Option(
+        10.0, "--probe-flush", min=0.01, help="Seconds before a partial probe batch is sent"
+    ),
 ) -> None:
-    """Reverse proxy in front of SGLang that captures μ, ids and versions per sample."""
+    """Reverse proxy in front of SGLang that captures μ, ids and versions per sample.
+
+    With --monitor it also accepts trainer reports on POST /timwatch/v1/trainer_reports (joined
+    batches go to run --run) and, with --probe-rate > 0, sends decode-vs-prefill probes to run
+    <run>-prefill-probe.
+    """
     import uvicorn
 
+    from sidecar.join_http import install_join
+    from sidecar.probe_forward import install_probe_forward
     from sidecar.sglang_proxy import create_app
 
     host, port = _split_listen(listen)
+    if not run:
+        raise typer.BadParameter("--run must not be empty")
     app = create_app(
         upstream,
         monitor=monitor,
@@ -55,4 +87,15 @@ def sglang(
         timeout_s=timeout_s,
         ttl_s=ttl_s,
     )
+    if monitor:
+        install_join(app, monitor=monitor, run=run, token=token, report_ttl_s=report_ttl_s)
+        if probe_rate > 0.0:
+            install_probe_forward(
+                app,
+                monitor=monitor,
+                run=run,
+                token=token,
+                batch_size=probe_batch,
+                flush_s=probe_flush_s,
+            )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

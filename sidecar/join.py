@@ -204,7 +204,9 @@ def build_arrays(joined: list[JoinedSample]) -> tuple[dict[str, np.ndarray], str
         )
     for name in ("logp_old", "logp_teacher"):
         if all(getattr(j.sample, name) is not None for j in parts):
-            out[name] = cat(lambda j, n=name: getattr(j.sample, n), np.float64)
+            out[name] = np.concatenate(
+                [np.asarray(getattr(j.sample, name), np.float64)[: j.length] for j in parts]
+            )
     return out, source
 
 

@@ -6,11 +6,19 @@ nondeterminism from trainer-side differences, so the sidecar reports it as its o
 (``<run>-prefill-probe``): ``logp_rollout`` = decode μ, ``logp_train`` = prefill log-prob.
 
 The probe sends ``input_ids = prompt + output``, ``sampling_params.max_new_tokens = 0``,
-``return_logprob = true``, ``logprob_start_len = 0`` and reads ``meta_info.input_token_logprobs``:
-entry j is ``[logprob of input_ids[j] given input_ids[:j], input_ids[j], text]`` and entry 0 has
-a null logprob (SGLang's ``SchedulerLogprobResultProcessor`` prepends ``None``), so the output
-tokens' prefill log-probs are entries ``len(prompt):``. Which samples are probed is decided by
-a hash of the rid, so a given rate probes the same samples on every sidecar replica.
+``return_logprob = true``, ``logprob_start_len = 0``, ``top_logprobs_num = k`` and reads
+``meta_info.input_token_logprobs``: entry j is ``[logprob of input_ids[j] given input_ids[:j],
+input_ids[j], text]`` and entry 0 has a null logprob (SGLang's scheduler pads the first entry
+with ``None`` and pops the last, the next-token one), so the output tokens' prefill log-probs
+are entries ``len(prompt):``. ``meta_info.input_top_logprobs`` is aligned the same way (entry 0
+null, entry j the top-k triples of the distribution that predicted ``input_ids[j]``; checked in
+SGLang 0.5.2 ``scheduler_output_processor_mixin.add_input_logprob_return_values`` and 0.5.23
+``logprob_result_processor``, nested unless ``return_flat_raw_top_logprobs``). SGLang returns no
+entropy, so the prefill side's entropy is the top-k lower bound (`topk_entropy_bounds`).
+
+Which samples are probed is decided by a hash of the rid, so a given rate probes the same
+samples on every sidecar replica. Finished results go to an optional `ProbeSink` (the forwarder
+to the monitor, `sidecar.probe_forward`) and into a bounded deque for ``/timwatch/probes``.
 """
 
 from __future__ import annotations
@@ -21,14 +29,24 @@ import threading
 import zlib
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from sidecar.records import RolloutRecord
+from sidecar.records import RolloutRecord, topk_entropy_bounds
 from sidecar.sglang_wire import WireError, parse_logprob_triples
 
-__all__ = ["ProbeResult", "Prober", "probe_selected", "parse_probe_answer"]
+__all__ = [
+    "DEFAULT_PROBE_TOPK",
+    "ProbeResult",
+    "ProbeSink",
+    "Prober",
+    "probe_selected",
+    "parse_probe_answer",
+]
+
+# top_logprobs_num of a probe when the proxy runs without --topk: enough for a tight bound.
+DEFAULT_PROBE_TOPK = 20
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +68,9 @@ class ProbeResult:
     logp_prefill: tuple[float, ...]
     versions: tuple[str | None, ...]
     prefill_weight_version: str | None
+    # Top-k lower bound on the prefill distribution's entropy per output token (None when the
+    # answer had no input_top_logprobs).
+    entropy_prefill: tuple[float, ...] | None = None
 
     @property
     def same_version(self) -> bool:
@@ -90,6 +111,7 @@ def parse_probe_answer(record: RolloutRecord, answer: Any) -> ProbeResult:
     for j, lp in enumerate(tail):
         if lp is None:
             raise WireError(f"meta_info.input_token_logprobs[{len(prompt) + j}][0]: null")
+    entropy = _prefill_entropy(meta.get("input_top_logprobs"), len(prompt), len(expected))
     wv = meta.get("weight_version")
     return ProbeResult(
         rid=record.rid,
@@ -98,7 +120,34 @@ def parse_probe_answer(record: RolloutRecord, answer: Any) -> ProbeResult:
         logp_prefill=tuple(float(lp) for lp in tail if lp is not None),
         versions=record.versions,
         prefill_weight_version=None if wv is None else str(wv),
+        entropy_prefill=entropy,
     )
+
+
+def _prefill_entropy(rows: Any, start: int, total: int) -> tuple[float, ...] | None:
+    """Top-k entropy lower bounds for input positions ``start:`` (None without top-k rows)."""
+    if rows is None:
+        return None
+    where = "meta_info.input_top_logprobs"
+    if not isinstance(rows, list) or len(rows) != total:
+        got = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise WireError(f"{where}: expected {total} rows (one per input token), got {got}")
+    out: list[float] = []
+    for j in range(start, total):
+        row = rows[j]
+        if row is None or row == []:
+            return None  # SGLang had no top-k for this position: no bound
+        _, lps = parse_logprob_triples(row, f"{where}[{j}]")
+        out.append(topk_entropy_bounds(lps).lower)
+    return tuple(out)
+
+
+class ProbeSink(Protocol):
+    """Where finished probes go besides the debug deque (`sidecar.probe_forward`)."""
+
+    def add(self, result: ProbeResult) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 class Prober:
@@ -110,14 +159,18 @@ class Prober:
         upstream: str,
         rate: float,
         *,
+        topk: int = DEFAULT_PROBE_TOPK,
+        sink: ProbeSink | None = None,
         max_in_flight: int = 4,
-        max_results: int = 10_000,
+        max_results: int = 1_000,
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"probe rate must be in [0, 1], got {rate}")
         self.client = client
         self.upstream = upstream.rstrip("/")
         self.rate = rate
+        self.topk = topk
+        self.sink = sink
         self.max_in_flight = max_in_flight
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -147,6 +200,7 @@ class Prober:
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
             "logprob_start_len": 0,
+            "top_logprobs_num": self.topk,
         }
         try:
             resp = await self.client.post(f"{self.upstream}/generate", json=body)
@@ -159,20 +213,18 @@ class Prober:
             with self._lock:
                 self._results.append(result)
             self.counters["done"] += 1
+            if self.sink is not None:
+                try:
+                    self.sink.add(result)
+                except Exception:  # noqa: BLE001 - a sink failure must not touch the proxy
+                    log.exception("probe sink failed for rid %s", record.rid)
         finally:
             self._in_flight -= 1
 
     def results(self) -> list[ProbeResult]:
-        """Finished probes still held (read-only)."""
+        """The most recent finished probes (read-only; the sink gets every one)."""
         with self._lock:
             return list(self._results)
-
-    def pop_results(self) -> list[ProbeResult]:
-        """Take every finished probe (for the forwarder to the ``<run>-prefill-probe`` run)."""
-        with self._lock:
-            out = list(self._results)
-            self._results.clear()
-            return out
 
     async def drain(self) -> None:
         if self._tasks:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RolloutRecord", "topk_entropy_bounds", "EntropyBounds"]
+__all__ = ["RolloutRecord", "topk_entropy_bounds", "EntropyBounds", "version_as_int"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,17 @@ def topk_entropy_bounds(
     return EntropyBounds(lower=lower, head=head, tail_mass=mass, tail=tail)
 
 
+def version_as_int(label: str | None) -> int | None:
+    """An engine's weight-version label as an int (``"7"``, ``"step-7"``, ``"v_7"``), else None."""
+    if label is None:
+        return None
+    digits = label.rsplit("-", 1)[-1].rsplit("_", 1)[-1]
+    try:
+        return int(digits)
+    except ValueError:
+        return None
+
+
 def _ints(values: Sequence[Any] | None) -> tuple[int, ...] | None:
     return None if values is None else tuple(int(v) for v in values)
 
@@ -130,13 +141,10 @@ class RolloutRecord:
         """Per-token versions as ints when every label is an integer (``"7"``, ``"step-7"``)."""
         out: list[int] = []
         for label in self.versions:
-            if label is None:
+            value = version_as_int(label)
+            if value is None:
                 return None
-            digits = label.rsplit("-", 1)[-1].rsplit("_", 1)[-1]
-            try:
-                out.append(int(digits))
-            except ValueError:
-                return None
+            out.append(value)
         return out
 
     def to_dict(self) -> dict[str, Any]:

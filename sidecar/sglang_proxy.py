@@ -8,7 +8,10 @@ path is forwarded byte for byte, streamed both ways. Upstream errors pass back u
 (status, headers, body). The proxy keeps no per-request state beyond the stream it is relaying.
 
 Read-only debug endpoints live under ``/timwatch/`` (SGLang has no such prefix):
-``/timwatch/records`` (held records and counters), ``/timwatch/probes``, ``/timwatch/healthz``.
+``/timwatch/records`` (held records and counters), ``/timwatch/probes`` (recent probe results,
+prober counters and, with `sidecar.probe_forward`, the forwarder's), ``/timwatch/healthz``.
+Trainer reports and the forwarding of probes to the monitor are installed on top by
+`sidecar.join_http.install_join` and `sidecar.probe_forward.install_probe_forward`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from sidecar.capture import CaptureStore
-from sidecar.probe import Prober
+from sidecar.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink
 from sidecar.sglang_wire import (
     RequestPlan,
     SampleState,
@@ -84,6 +87,7 @@ class ProxyState:
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s or 10.0, 10.0))
         self.client: httpx.AsyncClient | None = None
         self.prober: Prober | None = None
+        self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
         self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
 
     def http(self) -> httpx.AsyncClient:
@@ -297,6 +301,7 @@ async def _probes(request: Request) -> Response:
             "rate": state.probe_rate,
             "results": [r.to_dict() for r in prober.results()] if prober else [],
             "counters": dict(prober.counters) if prober else {},
+            "forward": state.probe_sink.stats() if state.probe_sink else None,
         }
     )
 
@@ -337,7 +342,13 @@ def create_app(
         async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
             state.client = client
             if probe_rate > 0.0:
-                state.prober = Prober(client, state.upstream, probe_rate)
+                state.prober = Prober(
+                    client,
+                    state.upstream,
+                    probe_rate,
+                    topk=topk or DEFAULT_PROBE_TOPK,
+                    sink=state.probe_sink,
+                )
             yield
             if state.prober is not None:
                 await state.prober.drain()

@@ -20,9 +20,16 @@ scheduler_components/logprob_result_processor.py`` for the leading null input lo
 * finish reasons ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}``,
   ``{"type": "abort", "message": ..., "status_code": ..., "err_type": ...}``.
 
-The "model" is a deterministic function of the token prefix (so a prefill re-score sees the same
-distribution as decode, plus an optional configured perturbation), with a tiny vocabulary so
-tests can compute exact entropies with `distribution`. Test-only knobs live under ``/fake/``.
+The "model" is a deterministic function of the token prefix with a tiny vocabulary, so tests can
+compute exact log-probs and entropies in float64: decode samples from `distribution`; the prefill
+path (input log-probs: ``logprob_start_len >= 0``, e.g. the sidecar's probe with
+``max_new_tokens: 0``) scores with `prefill_distribution`, the same logits plus a small
+deterministic perturbation (``PREFILL_NOISE``, settable as ``prefill_noise``), renormalised, so
+decode-vs-prefill mismatch is non-zero and known exactly. Input-side lists follow SGLang's
+scheduler: ``input_token_logprobs`` and ``input_top_logprobs`` have one entry per input token from
+``logprob_start_len`` on, the first entry null (``[null, id, null]`` and ``null``), entry j
+scoring ``input_ids[j]`` given ``input_ids[:j]``; top-k rows are ``[logprob, id, null]`` triples
+sorted by logprob. Test-only knobs live under ``/fake/``.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from starlette.routing import Route
 VOCAB = 48
 EOS = VOCAB - 1
 _SCALES = (0.2, 1.0, 2.5, 6.0)
+PREFILL_NOISE = 0.05
 
 
 def tokenize(text: str) -> list[int]:
@@ -60,6 +68,16 @@ def distribution(prefix: list[int]) -> list[float]:
     scale = _SCALES[len(prefix) % len(_SCALES)]
     logits = [rng.gauss(0.0, 1.0) * scale for _ in range(VOCAB)]
     logits[EOS] -= 4.0
+    top = max(logits)
+    lse = top + math.log(math.fsum(math.exp(x - top) for x in logits))
+    return [x - lse for x in logits]
+
+
+def prefill_distribution(prefix: list[int], noise: float = PREFILL_NOISE) -> list[float]:
+    """Next-token log-probs after ``prefix`` as the prefill path computes them (float64, exact)."""
+    logits = [
+        lp + noise * math.sin(1.7 * t + len(prefix)) for t, lp in enumerate(distribution(prefix))
+    ]
     top = max(logits)
     lse = top + math.log(math.fsum(math.exp(x - top) for x in logits))
     return [x - lse for x in logits]
@@ -170,18 +188,23 @@ class Sample:
             start = req.get("logprob_start_len", -1)
             start = start[item] if isinstance(start, list) else start
             inp: list[list[Any]] = []
+            inp_top: list[list[list[Any]] | None] = []
             if start is not None and start >= 0:
+                noise = self.fake.config.get("prefill_noise", PREFILL_NOISE)
                 for j in range(start, len(self.prompt)):
-                    lp = None if j == 0 else distribution(self.prompt[:j])[self.prompt[j]]
-                    if lp is not None:
-                        lp += self.fake.config.get("prefill_noise", 0.0) * math.sin(j)
-                    inp.append([lp, self.prompt[j], None])
+                    if j == start:  # SGLang pads the first entry: no logits before it
+                        inp.append([None, self.prompt[j], None])
+                        inp_top.append(None)
+                        continue
+                    dist = prefill_distribution(self.prompt[:j], noise)
+                    inp.append([dist[self.prompt[j]], self.prompt[j], None])
+                    inp_top.append(_top(dist, k) if k > 0 else None)
             out = [[lp, t, None] for lp, t in zip(self.logps, self.ids, strict=True)]
             meta["input_token_logprobs"] = inp
             meta["output_token_logprobs"] = out[lo:] if inc else out
             meta["output_token_logprobs_length"] = n
             if k > 0:
-                meta["input_top_logprobs"] = [None] * len(inp) if inp else []
+                meta["input_top_logprobs"] = inp_top
                 tops = [_top(row, k) for row in self.tops]
                 meta["output_top_logprobs"] = tops[lo:] if inc else tops
         if self.abort_path:

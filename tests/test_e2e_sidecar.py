@@ -1,5 +1,7 @@
 """End to end on loopback, all real processes: client → proxy → SGLang stand-in; trainer report →
-proxy's join → `timwatch serve` → ``/metrics`` and the history API.
+proxy's join → `timwatch serve` → ``/metrics`` and the history API; and the real
+``timwatch sidecar sglang`` command with ``--monitor --run --token --probe-rate``, whose prefill
+probes land in run ``<run>-prefill-probe``.
 
 SGLang needs a GPU, so the upstream is ``tests/fake_sglang.py``, which answers in SGLang 0.5.x's
 wire format (see its docstring for the source it was checked against). Its "model" is an exact
@@ -15,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -202,3 +204,128 @@ def test_report_for_uncaptured_sample_waits_then_expires_and_is_counted(
     assert hist["series"]["tokens"] == [len(ids)]
     stats = httpx.get(f"{proxy}/timwatch/v1/join").json()["join"]
     assert stats["expired_reports"] == 1 and stats["unjoined_samples"] == 1
+
+
+# ---------------------------------------------------------------- the real CLI command
+
+TOKEN = "e2e-write-token"
+
+
+@pytest.fixture
+def cli_stack(
+    server_factory: Callable[..., ServerProc],
+) -> Iterator[tuple[str, str, ServerProc]]:
+    """``python -m monitor.cli sidecar sglang`` in front of the stand-in, feeding a monitor that
+    refuses writes without its token (so the batches prove ``--token`` reached both taps)."""
+    server = server_factory(env={"TIMWATCH_TOKEN": TOKEN}, token=TOKEN)
+    fport, pport = free_port(), free_port()
+    upstream = f"http://127.0.0.1:{fport}"
+    with process(["tests/fake_sglang.py", "--port", str(fport)], f"{upstream}/health"):
+        proxy = f"http://127.0.0.1:{pport}"
+        args = [
+            "-m", "monitor.cli", "sidecar", "sglang",
+            "--upstream", upstream, "--listen", f"127.0.0.1:{pport}",
+            "--monitor", server.url, "--run", "cli", "--token", TOKEN,
+            "--topk", "5", "--probe-rate", "1", "--probe-batch", "4", "--probe-flush", "600",
+        ]  # fmt: skip
+        with process(args, f"{proxy}/timwatch/healthz"):
+            yield upstream, proxy, server
+
+
+def wait_for_step(c: httpx.Client, run: str, step: int, proxy: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        got = c.get(f"/v1/runs/{run}/steps/{step}")
+        if got.status_code == 200:
+            return dict(got.json())
+        if time.monotonic() > deadline:
+            probes = httpx.get(f"{proxy}/timwatch/probes").json()
+            state = {k: probes[k] for k in ("counters", "forward")}
+            pytest.fail(f"{run} step {step} never arrived; proxy probes: {state}")
+        time.sleep(0.1)
+
+
+def probe_expectation(
+    prompts: list[list[int]], outputs: list[list[int]], topk: int
+) -> tuple[int, float, float]:
+    """(tokens, mismatch KL, mean top-k entropy lower bound) of the probe batch, in float64 from
+    the stand-in's decode and prefill distributions."""
+    k3, bound = [], []
+    for prompt, ids in zip(prompts, outputs, strict=True):
+        for t, tok in enumerate(ids):
+            prefix = prompt + ids[:t]
+            pre = np.array(fake.prefill_distribution(prefix))
+            delta = pre[tok] - fake.distribution(prefix)[tok]
+            k3.append(math.expm1(delta) - delta)
+            probs = np.sort(np.exp(pre))[::-1][:topk]
+            head = -np.sum(probs * np.log(probs))
+            bound.append(head + (1.0 - probs.sum()) * -math.log(probs[-1]))
+    return len(k3), float(np.mean(k3)), float(np.mean(bound))
+
+
+def test_cli_sidecar_joins_reports_and_forwards_prefill_probes(
+    cli_stack: tuple[str, str, ServerProc],
+) -> None:
+    upstream, proxy, server = cli_stack
+    httpx.post(
+        f"{upstream}/update_weight_version", json={"new_version": "step-7"}
+    ).raise_for_status()
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8], [9, 7]]
+    rids = [f"cli-{i}" for i in range(len(prompts))]
+    body = {"input_ids": prompts, "rid": rids, "sampling_params": {"max_new_tokens": 9}}
+    answer = httpx.post(f"{proxy}/generate", json=body, timeout=30).json()
+    outputs = [list(a["output_ids"]) for a in answer]
+
+    # The trainer's report: no "run" key, so it goes to --run.
+    samples, k3 = [], []
+    for prompt, rid, ids in zip(prompts, rids, outputs, strict=True):
+        mu, pi, ent = trainer_view(prompt, ids)
+        samples.append({"rid": rid, "token_ids": ids, "logp_train": pi, "entropy": ent})
+        k3 += [math.expm1(p - m) - (p - m) for m, p in zip(mu, pi, strict=True)]
+    got = httpx.post(
+        f"{proxy}/timwatch/v1/trainer_reports", json={"step": 5, "samples": samples}, timeout=30
+    )
+    assert got.status_code == 200 and got.json()["status"] == "forwarded", got.text
+
+    with server.client() as c:
+        row = wait_for_step(c, "cli", 5, proxy)["row"]
+        assert row["tokens"] == len(k3)
+        assert row["mismatch_kl"] == pytest.approx(float(np.mean(k3)), rel=1e-9)
+        assert row["entropy_source"] == "trainer"
+
+        # Probes: every sample re-scored at the decode's version (step-7 → step 7, lag 0).
+        n, kl, ent = probe_expectation(prompts, outputs, topk=5)
+        probe = wait_for_step(c, "cli-prefill-probe", 7, proxy)
+        assert probe["batches"] == 1
+        row = probe["row"]
+        assert row["tokens"] == n and row["sequences"] == len(prompts)
+        assert row["mismatch_kl"] == pytest.approx(kl, rel=1e-9)
+        assert row["mismatch_kl"] > 0
+        assert row["entropy_mean"] == pytest.approx(ent, rel=1e-9)
+        assert row["entropy_source"] == "topk"
+        assert row["version_lag_max"] == 0
+
+        # Weights change in the middle of the next rollout: its probe runs at step-8 and the
+        # decode tokens before the switch show up as lag 1 instead of being dropped.
+        httpx.post(f"{upstream}/fake/config", json={"switch_at": 2, "next_version": "step-8"})
+        prompts2 = [[2, 7, 1, 8], [1, 4, 1], [6, 6, 2], [3, 3]]
+        body = {"input_ids": prompts2, "sampling_params": {"max_new_tokens": 9}}
+        answer = httpx.post(f"{proxy}/generate", json=body, timeout=30).json()
+        outputs2 = [list(a["output_ids"]) for a in answer]
+        spans = answer[0]["meta_info"]["weight_versions"]
+        assert [s["version"] for s in spans] == ["step-7", "step-8"]  # the switch happened
+        probe = wait_for_step(c, "cli-prefill-probe", 8, proxy)
+        n2, kl2, _ = probe_expectation(prompts2, outputs2, topk=5)
+        row = probe["row"]
+        assert row["tokens"] == n2
+        assert row["mismatch_kl"] == pytest.approx(kl2, rel=1e-9)
+        assert row["version_lag_max"] == 1
+        assert row["version_lag_mean"] == pytest.approx(2 / n2, rel=1e-12)
+        hist = c.get(
+            "/v1/runs/cli-prefill-probe/metrics", params={"names": "mismatch_kl,tokens"}
+        ).json()
+        assert hist["steps"] == [7, 8] and hist["series"]["tokens"] == [n, n2]
+
+    fwd = httpx.get(f"{proxy}/timwatch/probes").json()["forward"]
+    assert fwd["sequences"] == 8 and fwd["stale_sequences"] == 1 and fwd["batches"] == 2
+    assert fwd["tap"]["sent"] == 2 and fwd["tap"]["refused"] == 0

@@ -332,8 +332,20 @@ def test_prefill_probe_reports_decode_vs_prefill(fake_cum, proxy_cum) -> None:
     assert hit, "probe result missing"
     r = hit[0]
     assert r["same_version"] is True
-    for t, (dec, pre) in enumerate(zip(r["logp_decode"], r["logp_prefill"], strict=True)):
-        assert pre - dec == pytest.approx(noise * math.sin(len(prompt) + t), abs=1e-12)
+    ids = r["output_ids"]
+    probe = [q for q in httpx.get(f"{fake_cum}/fake/requests").json() if "rid" not in q][-1]
+    assert probe["input_ids"] == prompt + ids and probe["top_logprobs_num"] == TOPK
+    assert probe["sampling_params"] == {"max_new_tokens": 0} and probe["logprob_start_len"] == 0
+    for t, tok in enumerate(ids):
+        prefix = prompt + ids[:t]
+        dec, pre = fake.distribution(prefix), fake.prefill_distribution(prefix, noise)
+        assert r["logp_decode"][t] == pytest.approx(dec[tok], abs=1e-12)
+        assert r["logp_prefill"][t] == pytest.approx(pre[tok], abs=1e-12)
+        assert r["logp_prefill"][t] != r["logp_decode"][t]
+        probs = sorted((math.exp(x) for x in pre), reverse=True)[:TOPK]
+        bound = -sum(p * math.log(p) for p in probs) + (1 - sum(probs)) * -math.log(probs[-1])
+        assert r["entropy_prefill"][t] == pytest.approx(bound, abs=1e-9)
+        assert r["entropy_prefill"][t] <= fake.entropy(pre) + 1e-12
 
 
 def test_other_paths_pass_through(fake_cum, proxy_cum) -> None:
