@@ -71,13 +71,16 @@ def sglang(
     """
     import uvicorn
 
+    from monitor.runs import check_run_id
     from sidecar.join_http import install_join
-    from sidecar.probe_forward import install_probe_forward
+    from sidecar.probe_forward import PROBE_RUN_SUFFIX, install_probe_forward
     from sidecar.sglang_proxy import create_app
 
     host, port = _split_listen(listen)
-    if not run:
-        raise typer.BadParameter("--run must not be empty")
+    for name in (run, run + PROBE_RUN_SUFFIX):
+        reason = check_run_id(name)
+        if reason is not None:  # the monitor would refuse every batch of this run
+            raise typer.BadParameter(f"--run {run!r}: {reason} (checked {name!r})")
     app = create_app(
         upstream,
         monitor=monitor,
