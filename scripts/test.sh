@@ -26,5 +26,5 @@ export TIMWATCH_TEST_PG_URL="${TIMWATCH_TEST_PG_URL:-$(PGDIR="${PGDIR:-/tmp/timw
 echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
 
 .venv/bin/ruff check monitor sidecar dashboards alerts tests benchmarks
-.venv/bin/mypy monitor
+.venv/bin/mypy monitor sidecar
 .venv/bin/python -m pytest -p no:cacheprovider "$@"

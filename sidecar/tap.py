@@ -327,7 +327,7 @@ class Tap:
     def _encode(self, item: _Item) -> bytes | None:
         if item.event is not None:
             item.event.synchronize()
-        arrays = {name: _to_numpy(v) for name, v in item.arrays.items()}
+        arrays: dict[str, Any] = {name: _to_numpy(v) for name, v in item.arrays.items()}
         try:
             batch = Batch.from_arrays(step=item.step, batch_id=item.batch_id, **item.meta, **arrays)
         except BatchError as exc:

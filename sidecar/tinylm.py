@@ -17,6 +17,7 @@ Imports torch: demo-only code.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +126,7 @@ class TinyLM(nn.Module):
         for pos in range(p + new_tokens - 1):
             x = self.tok(nxt[:, None]) + self.pos.weight[pos]
             for i, block in enumerate(self.blocks):
-                x, caches[i] = block.step(x, caches[i])
+                x, caches[i] = cast(_Block, block).step(x, caches[i])
             if pos + 1 < p:
                 nxt = prompt[:, pos + 1]
                 continue

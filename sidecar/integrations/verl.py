@@ -29,7 +29,7 @@ import contextvars
 import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,7 +57,10 @@ ESTR_LOSS_NAME = "estr"
 
 
 class SupportsReport(Protocol):
-    def report(self, step: int, **arrays: Any) -> Any: ...
+    """Anything with the tap's `report(step, **packed_arrays)` (keyword signature varies)."""
+
+    @property
+    def report(self) -> Callable[..., Any]: ...
 
 
 @dataclass(frozen=True)
