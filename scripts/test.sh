@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one test command: installs what the tests use (Debian prometheus, prometheus-alertmanager,
-# postgresql; a virtualenv with timwatch[test]), starts a throw-away PostgreSQL on 127.0.0.1 and
-# runs the whole suite. Extra arguments go to pytest (e.g. `scripts/test.sh -k engine`).
+# postgresql, docker-compose; a virtualenv with timwatch[test]), starts a throw-away PostgreSQL
+# on 127.0.0.1 and runs the whole suite. Extra arguments go to pytest (e.g. `scripts/test.sh -k engine`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +9,8 @@ need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
+command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
+  || need+=(docker-compose)  # only its offline `config` check of deploy/docker-compose.yml
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages: ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"

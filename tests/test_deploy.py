@@ -284,6 +284,26 @@ def test_compose_has_the_stack() -> None:
     assert tw["depends_on"]["postgres"]["condition"] == "service_healthy"
 
 
+def test_compose_file_validates_with_the_compose_client() -> None:
+    """The Compose client's own schema check, offline (Debian's docker-compose, or the plugin)."""
+    exe = shutil.which("docker-compose")
+    cmd: list[str | Path] = [exe] if exe else [_tool("docker"), "compose"]
+    env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "TIMWATCH_TOKEN": "t", "HOME": str(DEPLOY)}
+    proc = subprocess.run(
+        [str(c) for c in (*cmd, "-f", DEPLOY / "docker-compose.yml", "config")],
+        capture_output=True, text=True, timeout=120, env=env, cwd=DEPLOY,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    rendered = yaml.safe_load(proc.stdout)
+    assert set(rendered["services"]) == set(_compose()["services"])
+    missing = subprocess.run(
+        [str(c) for c in (*cmd, "-f", DEPLOY / "docker-compose.yml", "config")],
+        capture_output=True, text=True, timeout=120, cwd=DEPLOY,
+        env={k: v for k, v in env.items() if k != "TIMWATCH_TOKEN"},
+    )  # fmt: skip
+    assert missing.returncode != 0  # the write token is required, not defaulted
+
+
 def _mounts(service: dict[str, Any]) -> dict[PurePosixPath, Path]:
     """Container path -> host path of a service's bind mounts (named volumes left out)."""
     out = {}
