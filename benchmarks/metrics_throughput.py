@@ -153,7 +153,7 @@ def main() -> None:
     b = make_batch(args.tokens, args.sequences)
     params = PolicyParams()
     masked = int(b.loss_mask.sum())
-    t_engine = best_of(lambda: accumulate(b, params).row(), args.repeat)
+    t_engine = best_of(lambda: accumulate(b, params, threads=1).row(), args.repeat)
     t_numpy = best_of(lambda: numpy_baseline(b, params), max(3, args.repeat // 3))
     t_floor = best_of(lambda: memory_floor(b), args.repeat)
     print(f"batch: {args.tokens:,} tokens, {masked:,} masked, {args.sequences:,} sequences")

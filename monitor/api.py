@@ -114,7 +114,7 @@ def _split(value: str | None) -> list[str]:
 
 def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     """The ASGI app. Opens (and migrates) the store unless one is given."""
-    from monitor.engine import KERNEL_THREADS, accumulate
+    from monitor.engine import accumulate
     from monitor.masks import POLICIES, keep_masks
 
     store = store if store is not None else Store(settings.db_url)
@@ -204,7 +204,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
         if batch.batch_id is not None:
             answer = store.find_batch(run, batch.batch_id)
         if answer is None:
-            acc = accumulate(batch, settings.params, threads=KERNEL_THREADS)
+            acc = accumulate(batch, settings.params)
             batch_row = acc.row().to_dict()
 
             def respond(step_row: dict[str, Any]) -> dict[str, Any]:

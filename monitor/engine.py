@@ -44,15 +44,22 @@ _H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
 _HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
 
 
-def accumulate(batch: Batch, params: PolicyParams | None = None, threads: int = 1) -> Accumulator:
+KERNEL_THREADS = min(4, os.cpu_count() or 1)
+
+
+def accumulate(
+    batch: Batch, params: PolicyParams | None = None, threads: int | None = None
+) -> Accumulator:
     """The additive accumulator of one validated batch (every metric, every policy).
 
-    With `threads > 1` a large batch is split at sequence boundaries and the parts run the
-    kernel concurrently (it releases the GIL); their accumulators merge exactly, so the result
-    equals the single-threaded one up to float summation order.
+    A large batch is split at sequence boundaries into `threads` parts (default
+    `KERNEL_THREADS`) that run the kernel concurrently (it releases the GIL); their accumulators
+    merge exactly, so results differ from `threads=1` only in float summation order. The
+    default is the same for the service and `timwatch analyze`, so both answer identical rows.
     """
     p = params or PolicyParams()
-    parts = _split(batch, threads if batch.num_tokens >= _PARALLEL_MIN_TOKENS else 1)
+    n_threads = KERNEL_THREADS if threads is None else threads
+    parts = _split(batch, n_threads if batch.num_tokens >= _PARALLEL_MIN_TOKENS else 1)
     if len(parts) == 1:
         results = [_run_kernel(batch, p, 0, batch.num_sequences)]
     else:
@@ -75,7 +82,6 @@ def accumulate(batch: Batch, params: PolicyParams | None = None, threads: int = 
 
 
 _PARALLEL_MIN_TOKENS = 1 << 17
-KERNEL_THREADS = min(4, os.cpu_count() or 1)  # what the service uses for large batches
 _POOL: ThreadPoolExecutor | None = None
 
 

@@ -85,11 +85,28 @@ def _kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
     return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
 
 
+@njit(cache=True, error_model="numpy")
+def _aligned_f64(n):  # type: ignore[no-untyped-def]
+    raw = np.empty(n + 8, dtype=np.float64)
+    off = ((64 - raw.ctypes.data % 64) % 64) // 8
+    return raw[off : off + n]
+
+
+@njit(cache=True, error_model="numpy")
+def _aligned_i64(n):  # type: ignore[no-untyped-def]
+    raw = np.empty(n + 8, dtype=np.int64)
+    off = ((64 - raw.ctypes.data % 64) % 64) // 8
+    return raw[off : off + n]
+
+
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
-    mu, pi, ent, mask, c0, c1, params, fsum, fext, cnt,
+    x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
     b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
 ):  # fmt: skip
+    """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
+    the same shape for every chunk whatever the caller's array alignment, so the reassociated
+    sums, and therefore rows, are identical for JSON, safetensors and in-memory batches."""
     tau, eps, dabs, ice_lo, ice_hi = params[0], params[1], params[2], params[3], params[4]
     phi, tis_c = params[5], params[6]
     ad_lo, ad_oct, ad_sub, ad_last = layouts[0], layouts[1], layouts[2], layouts[3]
@@ -102,12 +119,11 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     k_dmax = k_lo
     k_dmin = k_hmin = k_d2min = k_hi
     n_on = n_estr = n_dabs = n_ice = n_tis = n_kpop = 0
-    for i in range(c0, c1):
-        j = i - c0
-        on = mask[i] != 0
-        m0 = np.float64(mu[i])
-        p0 = np.float64(pi[i])
-        h0 = np.float64(ent[i])
+    for j in range(n):
+        on = x_on[j] != 0
+        m0 = x_mu[j]
+        p0 = x_pi[j]
+        h0 = x_h[j]
         m = m0 if on else -1.0
         p = p0 if on else -1.0
         h = h0 if on else 0.0
@@ -211,12 +227,16 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     n_s_edges = s_edges.shape[0]
     n_h = h_edges.shape[0]
     n_hd = hd_edges.shape[0]
-    b_d = np.empty(_CHUNK)
-    b_k3 = np.empty(_CHUNK)
-    b_score = np.empty(_CHUNK)
-    b_fb = np.empty(_CHUNK, dtype=np.int64)
-    b_sb = np.empty(_CHUNK, dtype=np.int64)
-    b_hb = np.empty(_CHUNK, dtype=np.int64)
+    x_mu = _aligned_f64(_CHUNK)
+    x_pi = _aligned_f64(_CHUNK)
+    x_h = _aligned_f64(_CHUNK)
+    x_on = _aligned_i64(_CHUNK)
+    b_d = _aligned_f64(_CHUNK)
+    b_k3 = _aligned_f64(_CHUNK)
+    b_score = _aligned_f64(_CHUNK)
+    b_fb = _aligned_i64(_CHUNK)
+    b_sb = _aligned_i64(_CHUNK)
+    b_hb = _aligned_i64(_CHUNK)
     wmin = 0
     for i in range(worst_score.shape[0]):
         if worst_score[i] < worst_score[wmin]:
@@ -232,8 +252,13 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     k3_s = 0.0
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
+        for j in range(c1 - c0):
+            x_mu[j] = mu[c0 + j]
+            x_pi[j] = pi[c0 + j]
+            x_h[j] = ent[c0 + j]
+            x_on[j] = mask[c0 + j]
         _vector_phase(
-            mu, pi, ent, mask, c0, c1, params, fsum, fext, cnt,
+            x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
             b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
         )  # fmt: skip
         for t in range(c0, c1):
