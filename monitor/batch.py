@@ -311,7 +311,7 @@ def _check_dtypes(arrays: dict[str, np.ndarray]) -> None:
                 frac = arr != np.floor(arr)
                 if frac.any():
                     i = _first(frac)
-                    raise BatchError(name, f"{name}[{i}] = {arr[i]!r} must be an integer", i)
+                    raise BatchError(name, f"{name}[{i}] = {arr[i].item()!r} must be an integer", i)
                 raise BatchError(name, f"{name} must hold {want}, got dtype {arr.dtype}")
             raise BatchError(name, f"{name} must hold {want}, got dtype {arr.dtype}")
 

@@ -73,6 +73,7 @@ def expect(fn: Callable[[], Any], field: str, index: int | None = None, *words: 
     msg = str(err)
     assert err.field == field, msg
     assert field in msg, msg
+    assert "np." not in msg, f"numpy repr leaked into the message: {msg}"
     if index is not None:
         assert err.index == index, msg
         assert f"{field}[{index}]" in msg, msg
@@ -100,7 +101,7 @@ CASES: list[tuple[str, dict[str, Any], str, int | None, tuple[str, ...]]] = [
     ("string-logp", patched("logp_rollout", 2, "abc"), "logp_rollout", 2, ()),
     ("null-logp", patched("logp_train", 1, None), "logp_train", 1, ()),
     ("float-cu", with_(cu_seqlens=[0, 2.5, 5]), "cu_seqlens", 1, ()),
-    ("float-token-id", patched("token_ids", 3, 1.5), "token_ids", 3, ()),
+    ("float-token-id", patched("token_ids", 3, 1.5), "token_ids", 3, ("= 1.5 must",)),
     ("negative-token-id", patched("token_ids_train", 1, -1), "token_ids_train", 1, ()),
     ("string-version", patched("versions", 2, "x"), "versions", 2, ()),
     ("cu-start", with_(cu_seqlens=[1, 2, 5]), "cu_seqlens", None, ("start", "1")),
