@@ -269,7 +269,10 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     ) -> Any:  # fmt: skip
         names = settings.params.__dataclass_fields__
         given = {k: v for k, v in locals().items() if k in names and v is not None}
-        return replace(settings.params, **given)
+        try:
+            return replace(settings.params, **given)
+        except ValueError as e:  # PolicyParams names the parameter; a 500 would not
+            raise ApiError(422, str(e)) from None
 
     @app.post(
         "/v1/masks",

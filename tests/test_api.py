@@ -263,6 +263,27 @@ def test_masks_on_ingest_and_stateless_endpoint(server: ServerProc) -> None:
     assert runs == ["masked"]  # /v1/masks stored nothing
 
 
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"tau": -1}, "tau"),
+        ({"tau": "nan"}, "tau"),
+        ({"icepop_low": 5, "icepop_high": 0.5}, "icepop_low"),
+        ({"geo_rs_low": 1.01}, "geo_rs_low"),
+    ],
+)
+def test_bad_policy_parameters_answer_422_naming_them(
+    server: ServerProc, params: dict[str, Any], named: str
+) -> None:
+    raw = raw_batch(11)
+    with server.client() as c:
+        r = c.post("/v1/masks", content=dumps(raw.to_json_obj()), params=params)
+        alive = c.get("/healthz")
+    assert r.status_code == 422, r.text
+    assert named in r.json()["detail"]
+    assert alive.status_code == 200
+
+
 def test_metrics_query_names_csv_and_errors(server: ServerProc) -> None:
     raws = [raw_batch(20 + s, step=s, batch_id=f"q{s}") for s in range(5)]
     rows = [norm(accumulate(as_batch(r)).row().to_dict()) for r in raws]
