@@ -153,9 +153,50 @@ def test_query_ranges_runs_and_events(store: Store) -> None:
     runs = {r["run"]: r for r in store.list_runs()}
     assert runs["q"]["steps"] == 4 and runs["q"]["last_step"] == 5
     assert runs["other"]["steps"] == 1
-    assert [e["kind"] for e in store.list_events("q")] == ["run_created"]
+    kinds = [e["kind"] for e in store.list_events("q")]  # newest first
+    assert kinds[-1] == "run_created" and kinds.count("run_created") == 1
+    assert set(kinds[:-1]) <= {"token_id_drift", "nonfinite_dropped"}
     store.add_event("q", "note", "hello", step=5, data={"k": 1})
     assert store.list_events("q")[0] == {
         "ts": store.list_events("q")[0]["ts"], "kind": "note", "step": 5, "message": "hello",
         "data": {"k": 1},
     }  # fmt: skip
+
+
+def test_batches_with_token_drift_or_dropped_tokens_leave_events(store: Store) -> None:
+    raw = raw_batch(5, step=3, batch_id="d")
+    kw = raw.from_arrays_kwargs()
+    ids = np.arange(int(kw["cu_seqlens"][-1]))
+    mask = np.asarray(kw["loss_mask"]).astype(bool)
+    drifted = ids.copy()
+    first = int(np.flatnonzero(mask)[0])
+    drifted[first] += 1
+    kw.update(token_ids=ids, token_ids_train=drifted)
+    logp = np.asarray(kw["logp_rollout"], dtype=np.float64).copy()
+    logp[first] = np.nan
+    kw["logp_rollout"] = logp
+    batch = Batch.from_arrays(**kw, nonfinite="drop")
+    acc = accumulate(batch)
+    store.record_batch(
+        "e",
+        step=3,
+        batch_id="d",
+        acc=acc,
+        tokens=batch.num_tokens,
+        respond=lambda row: {"row": row},
+    )
+    kinds = {e["kind"]: e for e in store.list_events("e")}
+    assert set(kinds) == {"run_created", "nonfinite_dropped"}  # the NaN token was the drifted one
+    assert (
+        kinds["nonfinite_dropped"]["data"] == {"tokens": 1}
+        and kinds["nonfinite_dropped"]["step"] == 3
+    )
+    second = int(np.flatnonzero(mask)[1])
+    drifted2 = ids.copy()
+    drifted2[second] += 1
+    kw2 = raw.from_arrays_kwargs() | {"token_ids": ids, "token_ids_train": drifted2}
+    acc2 = accumulate(Batch.from_arrays(**kw2))
+    store.record_batch("e", step=4, batch_id="d2", acc=acc2, tokens=1, respond=lambda r: {})
+    drift = [e for e in store.list_events("e") if e["kind"] == "token_id_drift"]
+    assert len(drift) == 1 and drift[0]["step"] == 4
+    assert drift[0]["data"] == {"mismatched": 1, "tokens": int(mask.sum())}

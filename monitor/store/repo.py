@@ -159,6 +159,7 @@ class Store:
                         merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
                         row = merged.row().to_dict()
                         _write_step(conn, run, step, ts, merged, row, new=prev is None)
+                        _batch_events(conn, run, step, ts, acc)
                         answer = respond(row)
                         conn.execute(
                             insert(_batches).values(
@@ -391,6 +392,27 @@ def _touch_run(
     if tags:
         values["tags"] = {**(cur.tags or {}), **tags}
     conn.execute(update(_runs).where(_runs.c.id == run).values(**values))
+
+
+def _batch_events(conn: Connection, run: str, step: int, ts: float, acc: Any) -> None:
+    """Events worth finding weeks later, written in the batch's own transaction."""
+    events = []
+    if acc.tid_mismatch:
+        events.append(
+            ("token_id_drift", f"{acc.tid_mismatch} of {acc.tid_tokens} token ids differ",
+             {"mismatched": acc.tid_mismatch, "tokens": acc.tid_tokens})
+        )  # fmt: skip
+    if acc.nonfinite_tokens:
+        events.append(
+            ("nonfinite_dropped", f"{acc.nonfinite_tokens} non-finite tokens dropped",
+             {"tokens": acc.nonfinite_tokens})
+        )  # fmt: skip
+    for kind, message, data in events:
+        conn.execute(
+            insert(_events).values(
+                run_id=run, ts=ts, kind=kind, step=step, message=message, data=data
+            )
+        )
 
 
 def _lock_state(conn: Connection, run: str, step: int, sqlite: bool) -> dict[str, Any] | None:
