@@ -27,7 +27,7 @@ from monitor.kernels import core_kernel, k3_of
 from monitor.masks import PolicyParams
 from monitor.row import MetricRow
 
-__all__ = ["KERNEL_THREADS", "Accumulator", "MetricRow", "accumulate", "analyze"]
+__all__ = ["KERNEL_THREADS", "Accumulator", "MetricRow", "accumulate", "analyze", "warm_up"]
 
 
 def _layout_vector(layout: FineLayout) -> np.ndarray:
@@ -126,6 +126,26 @@ def _run_kernel(
     )  # fmt: skip
     worst_index[worst_index >= 0] += lo
     return acc, worst_score, worst_index
+
+
+def warm_up() -> None:
+    """Compile (first run) or load (cached) the kernels on a tiny batch, so that the first real
+    batch a server answers does not pay numba's seconds of compilation."""
+    n = 4
+    tiny = Batch.from_arrays(
+        cu_seqlens=np.array([0, 2, n]),
+        logp_rollout=np.full(n, -0.5, dtype=np.float32),
+        logp_train=np.full(n, -0.4, dtype=np.float32),
+        entropy=np.full(n, 0.3, dtype=np.float32),
+        loss_mask=np.ones(n, dtype=np.uint8),
+        token_ids=np.arange(n),
+        token_ids_train=np.arange(n),
+        versions=np.zeros(n, dtype=np.int64),
+        policy_version=0,
+        logp_old=np.full(n, -0.45),
+    )
+    for b in (tiny, Batch.from_json(tiny.to_json())):  # float32 and float64 signatures
+        accumulate(b, threads=1).row()
 
 
 def analyze(batch: Batch, params: PolicyParams | None = None) -> MetricRow:

@@ -38,9 +38,11 @@ def run_server(settings: Settings, *, log_level: str = "info", out: TextIO = sys
     import uvicorn
 
     from monitor.api import create_app
+    from monitor.engine import warm_up
     from monitor.store import Store
 
     check_bind(settings)
+    warm_up()
     store = Store(settings.db_url)
     app = create_app(settings, store=store)
     print(startup_line(settings, store.description), file=out, flush=True)

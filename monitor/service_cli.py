@@ -108,10 +108,15 @@ def serve(
 
     if nonfinite not in ("refuse", "drop"):
         raise typer.BadParameter("--nonfinite must be 'refuse' or 'drop'")
+    try:
+        params = PolicyParams(tau=tau, eps=eps)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(2) from None
     settings = Settings(
         host=host, port=port, db_url=db, token=token or None, read_token=read_token or None,
         max_body=max_body, run_ttl=run_ttl, nonfinite=nonfinite,  # type: ignore[arg-type]
-        params=PolicyParams(tau=tau, eps=eps), insecure=insecure,
+        params=params, insecure=insecure,
     )  # fmt: skip
     try:
         run_server(settings, log_level=log_level)

@@ -423,3 +423,15 @@ def test_serve_refuses_open_public_bind(tmp_path: Any) -> None:
     assert p.returncode == 2
     assert "--insecure" in p.stdout + p.stderr
     assert not (tmp_path / "x.db").exists()  # refused before touching the store
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--tau", "-1"), ("--eps", "0"), ("--tau", "nan")])
+def test_serve_refuses_bad_policy_parameters_cleanly(tmp_path: Any, flag: str, value: str) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "monitor.service_cli", "serve", flag, value,
+         "--db", f"sqlite:///{tmp_path / 'x.db'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 2
+    assert flag.lstrip("-") in p.stdout + p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "x.db").exists()
