@@ -24,8 +24,13 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
 
-export TIMWATCH_TEST_PG_URL="${TIMWATCH_TEST_PG_URL:-$(PGDIR="${PGDIR:-/tmp/timwatch-pg-tests}" bash .ci/start-postgres.sh | tail -n1)}"
+if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
+  pg_url="$(PGDIR="${PGDIR:-/tmp/timwatch-pg-tests}" bash .ci/start-postgres.sh | tail -n1)"
+  [ -n "$pg_url" ] || { echo "PostgreSQL did not start" >&2; exit 1; }
+  export TIMWATCH_TEST_PG_URL="$pg_url"
+fi
 echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
+export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 
 .venv/bin/ruff check monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/mypy monitor sidecar

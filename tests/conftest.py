@@ -140,7 +140,7 @@ def _pg_base_url() -> str | None:
     url = os.environ.get("TIMWATCH_TEST_PG_URL")
     if url:
         return url
-    if os.environ.get("CI"):
+    if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_PG"):
         pytest.fail("CI is set but TIMWATCH_TEST_PG_URL is not: PostgreSQL tests must run in CI")
     pytest.skip("TIMWATCH_TEST_PG_URL not set (bash .ci/start-postgres.sh prints one)")
     return None
