@@ -12,6 +12,7 @@ import sys
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
+import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -131,7 +132,7 @@ def runs(url: UrlOpt = None, token: TokenOpt = None, json: bool = False) -> None
     try:
         with _client(url, token) as c:
             items = c.runs()
-    except (TimwatchHTTPError, OSError) as e:
+    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
         raise _fail(e) from None
     if json:
         sys.stdout.write(dumps(items).decode() + "\n")
@@ -161,7 +162,7 @@ def query(
     try:
         with _client(url, token) as c:
             res = c.metrics(run, metric, from_step=from_step, to_step=to_step, last=last, csv=csv)
-    except (TimwatchHTTPError, OSError) as e:
+    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
         raise _fail(e) from None
     if csv:
         sys.stdout.write(res)
@@ -180,7 +181,7 @@ def show(
     try:
         with _client(url, token) as c:
             res = c.step(run, step)
-    except (TimwatchHTTPError, OSError) as e:
+    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
         raise _fail(e) from None
     if json:
         sys.stdout.write(dumps(res).decode() + "\n")
@@ -232,7 +233,7 @@ def report(run: str, url: UrlOpt = None, token: TokenOpt = None, json: bool = Fa
     try:
         with _client(url, token) as c:
             res = c.metrics(run, REPORT_METRICS)
-    except (TimwatchHTTPError, OSError) as e:
+    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
         raise _fail(e) from None
     summary = {m: summarize(res["steps"], res["series"][m]) for m in REPORT_METRICS}
     if json:

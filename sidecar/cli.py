@@ -101,4 +101,8 @@ def sglang(
                 batch_size=probe_batch,
                 flush_s=probe_flush_s,
             )
+    typer.echo(
+        f"timwatch sidecar listening on http://{host}:{port} → SGLang {upstream}"
+        + (f" · monitor {monitor} (run {run!r})" if monitor else " · capture only (no --monitor)")
+    )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -435,3 +435,13 @@ def test_serve_refuses_bad_policy_parameters_cleanly(tmp_path: Any, flag: str, v
     assert p.returncode == 2
     assert flag.lstrip("-") in p.stdout + p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "x.db").exists()
+
+
+def test_history_commands_report_an_unreachable_server_in_one_line() -> None:
+    for args in (["runs"], ["query", "r", "--metric", "mismatch_kl"], ["show", "r", "1"]):
+        p = subprocess.run(
+            [sys.executable, "-m", "monitor.cli", *args, "--url", "http://127.0.0.1:9"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert p.returncode == 1, args
+        assert "Traceback" not in p.stderr + p.stdout and "error" in p.stdout + p.stderr, args
