@@ -58,10 +58,6 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", **kwargs: Any) ->
             cur.execute(f"PRAGMA synchronous={sync}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
-            # history queries scan wide step rows: keep hot pages in a 64 MiB cache and read
-            # the file through a 256 MiB map instead of copying every page per query
-            cur.execute("PRAGMA cache_size=-65536")
-            cur.execute("PRAGMA mmap_size=268435456")
             cur.close()
 
         @event.listens_for(engine, "begin")
