@@ -383,11 +383,6 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
     ints = {
         name: arrays[name].astype(np.int64, copy=False) for name in INT_FIELDS if name in arrays
     }
-    pv = meta["policy_version"]
-    if pv is not None and "versions" in ints and ints["versions"].max() > pv:
-        i = _first(ints["versions"] > pv)
-        v = int(ints["versions"][i])
-        raise BatchError("versions", f"versions[{i}] = {v} is newer than policy_version {pv}", i)
     return Batch(
         cu_seqlens=cu,
         loss_mask=mask,

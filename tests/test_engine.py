@@ -394,3 +394,16 @@ def test_rows_do_not_depend_on_array_alignment() -> None:
             shifted[name] = buf[offset : offset + a.size]
             shifted[name][:] = a
         assert accumulate(Batch.from_arrays(**shifted), threads=1).row().to_dict() == base
+
+
+def test_versions_newer_than_policy_version_show_as_negative_lag() -> None:
+    """Accepted, not refused: a numbering mismatch between engine and trainer must stay visible
+    (a refused batch would lose its mismatch numbers too)."""
+    batch = Batch.from_arrays(
+        cu_seqlens=np.array([0, 3]), logp_rollout=np.full(3, -0.5), logp_train=np.full(3, -0.4),
+        entropy=np.full(3, 0.3), loss_mask=np.ones(3, dtype=np.uint8),
+        versions=np.array([4, 5, 6]), policy_version=5,
+    )  # fmt: skip
+    row = accumulate(batch).row().to_dict()
+    assert row["version_lag_max"] == 1 and row["version_lag_mean"] == pytest.approx(0.0)
+    assert set(row["lag_buckets"]) == {"-1", "0", "1"}

@@ -120,7 +120,6 @@ CASES: list[tuple[str, dict[str, Any], str, int | None, tuple[str, ...]]] = [
     ("step-float", with_(step=1.5), "step", None, ()),
     ("policy-version-string", with_(policy_version="v7"), "policy_version", None, ()),
     ("entropy-source", with_(entropy_source="magic"), "entropy_source", None, ()),
-    ("version-from-the-future", patched("versions", 3, 9), "versions", 3, ("policy_version",)),
 ]
 
 
