@@ -13,19 +13,15 @@ independently from the same numbers.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import fake_sglang as fake
 import httpx
 import numpy as np
 import pytest
-from conftest import REPO, ServerProc, free_port
+from conftest import ServerProc, free_port, running_process
 
 from monitor.batch import Batch
 from monitor.engine import accumulate
@@ -41,39 +37,14 @@ uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 """
 
 
-@contextmanager
-def process(args: list[str], ready: str) -> Iterator[subprocess.Popen[bytes]]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"{args[:2]} exited with {proc.returncode}"
-            try:
-                if httpx.get(ready, timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"{ready} never came up"
-            time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture
 def stack(server: ServerProc) -> Iterator[tuple[str, str, ServerProc]]:
     fport, pport = free_port(), free_port()
     upstream = f"http://127.0.0.1:{fport}"
-    with process(["tests/fake_sglang.py", "--port", str(fport)], f"{upstream}/health"):
+    with running_process(["tests/fake_sglang.py", "--port", str(fport)], f"{upstream}/health"):
         proxy = f"http://127.0.0.1:{pport}"
         args = ["-c", PROXY, upstream, str(pport), server.url]
-        with process(args, f"{proxy}/timwatch/healthz"):
+        with running_process(args, f"{proxy}/timwatch/healthz"):
             yield upstream, proxy, server
 
 
@@ -220,7 +191,7 @@ def cli_stack(
     server = server_factory(env={"TIMWATCH_TOKEN": TOKEN}, token=TOKEN)
     fport, pport = free_port(), free_port()
     upstream = f"http://127.0.0.1:{fport}"
-    with process(["tests/fake_sglang.py", "--port", str(fport)], f"{upstream}/health"):
+    with running_process(["tests/fake_sglang.py", "--port", str(fport)], f"{upstream}/health"):
         proxy = f"http://127.0.0.1:{pport}"
         args = [
             "-m", "monitor.cli", "sidecar", "sglang",
@@ -228,7 +199,7 @@ def cli_stack(
             "--monitor", server.url, "--run", "cli", "--token", TOKEN,
             "--topk", "5", "--probe-rate", "1", "--probe-batch", "4", "--probe-flush", "600",
         ]  # fmt: skip
-        with process(args, f"{proxy}/timwatch/healthz"):
+        with running_process(args, f"{proxy}/timwatch/healthz"):
             yield upstream, proxy, server
 
 

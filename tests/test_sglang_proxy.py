@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import fake_sglang as fake
 import httpx
 import pytest
+from conftest import free_port, running_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,60 +26,27 @@ from sidecar.capture import CaptureStore
 from sidecar.records import RolloutRecord, topk_entropy_bounds
 from sidecar.sglang_wire import SampleState, WireError, plan_request
 
-ROOT = Path(__file__).resolve().parent.parent
 TOPK = 5
 
 
 # ---------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _process(args: list[str], ready_url: str) -> Iterator[None]:
-    extra = os.environ.get("PYTHONPATH")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), extra])))
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"{args} exited with {proc.returncode}"
-            try:
-                if httpx.get(ready_url, timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"{ready_url} not ready"
-            time.sleep(0.1)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextmanager
 def _fake(incremental: bool) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     args = ["tests/fake_sglang.py", "--port", str(port)]
     args += ["--incremental-streaming-output"] if incremental else []
-    with _process(args, f"http://127.0.0.1:{port}/health"):
+    with running_process(args, f"http://127.0.0.1:{port}/health"):
         yield f"http://127.0.0.1:{port}"
 
 
 @contextmanager
 def _proxy(upstream: str, *extra: str) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     args = ["-c", "from sidecar.cli import sidecar_app; sidecar_app()", "sglang"]
     args += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}", *extra]
-    with _process(args, f"http://127.0.0.1:{port}/timwatch/healthz"):
+    with running_process(args, f"http://127.0.0.1:{port}/timwatch/healthz"):
         yield f"http://127.0.0.1:{port}"
 
 
