@@ -19,6 +19,7 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
+from spec_names import SPEC_SERIES
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "alerts" / "timwatch.rules.yml"
@@ -36,30 +37,6 @@ SPEC_ALERTS = {
     "TimwatchIngestStalled",
     "TimwatchBadInput",
 }
-# SPEC §4 exposition, with the series names Prometheus derives from summaries and histograms
-_SUMMARIES = ["kl", "log_ratio_squared", "entropy", "is_ratio", "is_ratio_squared"]
-_HISTOGRAMS = ["abs_log_ratio", "estr_score"]
-SPEC_SERIES = (
-    {f"timwatch_token_{s}_{suffix}" for s in _SUMMARIES for suffix in ("sum", "count")}
-    | {f"timwatch_token_{h}_{sfx}" for h in _HISTOGRAMS for sfx in ("bucket", "sum", "count")}
-    | {
-        "timwatch_tokens_total",
-        "timwatch_sequences_total",
-        "timwatch_batches_total",
-        "timwatch_masked_tokens_total",
-        "timwatch_rejected_batches_total",
-        "timwatch_step",
-        "timwatch_mismatch_kl",
-        "timwatch_is_ratio_std",
-        "timwatch_log_ratio_abs_max",
-        "timwatch_mask_ratio",
-        "timwatch_entropy_mean",
-        "timwatch_noise_scale",
-        "timwatch_version_lag_max",
-        "timwatch_token_id_mismatch_ratio",
-        "timwatch_last_batch_timestamp_seconds",
-    }
-)
 # labels the exporter sets (SPEC §4) plus the target labels Prometheus adds to every series
 ALLOWED_LABELS = {"run", "policy", "reason", "instance", "job", "le"}
 

@@ -32,46 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `dashboards/` is a top-level directory, not an installed package
     sys.path.insert(0, str(ROOT))
 
+from spec_names import COUNTERS, FAMILY_OF, GAUGES, HISTOGRAMS, SUMMARIES  # noqa: E402
+
 from dashboards import iter_panel_queries, load_dashboards, queries, substitute  # noqa: E402
 from monitor.grafana import dashboards_app, load_dashboard, push_dashboards  # noqa: E402
 
 DASHBOARD_DIR = ROOT / "dashboards"
 UIDS = {"timwatch-run", "timwatch-fleet", "timwatch-estr"}
 
-# SPEC §4, written out here independently of the generator.
-COUNTERS = [
-    "timwatch_tokens_total",
-    "timwatch_sequences_total",
-    "timwatch_batches_total",
-    "timwatch_masked_tokens_total",
-    "timwatch_rejected_batches_total",
-]
-SUMMARIES = [
-    "timwatch_token_kl",
-    "timwatch_token_log_ratio_squared",
-    "timwatch_token_entropy",
-    "timwatch_token_is_ratio",
-    "timwatch_token_is_ratio_squared",
-]
-HISTOGRAMS = ["timwatch_token_abs_log_ratio", "timwatch_token_estr_score"]
-GAUGES = [
-    "timwatch_step",
-    "timwatch_mismatch_kl",
-    "timwatch_is_ratio_std",
-    "timwatch_log_ratio_abs_max",
-    "timwatch_mask_ratio",
-    "timwatch_entropy_mean",
-    "timwatch_noise_scale",
-    "timwatch_version_lag_max",
-    "timwatch_token_id_mismatch_ratio",
-    "timwatch_last_batch_timestamp_seconds",
-]
-# exposed series name -> its metric family
-FAMILY_OF = (
-    {c: c for c in COUNTERS + GAUGES}
-    | {f"{s}{suffix}": s for s in SUMMARIES for suffix in ("_sum", "_count")}
-    | {f"{h}{suffix}": h for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
-)
 UNITS = {"none", "sci", "short", "percentunit", "ops", "s"}
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
