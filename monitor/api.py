@@ -341,10 +341,10 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
         if bad:
             raise ApiError(422, f"unknown metric {bad[0]!r}; known: {', '.join(METRIC_COLUMNS)}")
         known_run(run)
-        steps, series = store.query_metrics(
-            run, cols, from_step=from_step, to_step=to_step, last=last
-        )
         if format == "csv":
+            steps, series = store.query_metrics(
+                run, cols, from_step=from_step, to_step=to_step, last=last
+            )
             buf = io.StringIO()
             w = csv.writer(buf, lineterminator="\n")
             w.writerow(["step", *requested])
@@ -352,6 +352,10 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
             for i, s in enumerate(steps):
                 w.writerow([s, *("" if c[i] is None else repr(c[i]) for c in columns)])
             return Response(buf.getvalue(), media_type="text/csv")
+        # columnar read path: numpy arrays straight into orjson, same JSON as the row path
+        steps, series = store.query_series(
+            run, cols, from_step=from_step, to_step=to_step, last=last
+        )
         out = {n: series[c] for n, c in zip(requested, cols, strict=True)}
         return _json({"run": run, "steps": steps, "series": out})
 

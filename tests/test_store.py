@@ -49,11 +49,19 @@ def test_migrations_create_schema_and_are_rerunnable(db_url: str) -> None:
     s.close()
     s = Store(db_url)  # second start: upgrade is a no-op
     tables = set(inspect(s.engine).get_table_names())
-    assert {"runs", "steps", "step_details", "batches", "events", "alembic_version"} <= tables
+    assert {
+        "runs",
+        "steps",
+        "step_details",
+        "batches",
+        "events",
+        "series_chunks",
+        "alembic_version",
+    } <= tables
     cols = {c["name"] for c in inspect(s.engine).get_columns("steps")}
     assert set(METRIC_COLUMNS) <= cols
     with s.engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == "0001"
+        assert MigrationContext.configure(conn).get_current_revision() == "0002"
     s.close()
 
 

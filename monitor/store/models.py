@@ -18,6 +18,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Table,
     Text,
@@ -36,6 +37,7 @@ __all__ = [
     "Run",
     "Step",
     "StepDetail",
+    "series_table",
     "steps_table",
 ]
 
@@ -110,6 +112,17 @@ steps_table = Table(
     *(Column(name, Double, nullable=True) for name in FLOAT_COLUMNS),
     # SQLite: cluster rows by (run_id, step) so a series query is one ordered B-tree scan
     sqlite_with_rowid=False,
+)
+
+
+#: packed per-metric arrays of the step series (``monitor.store.series`` reads and writes them)
+series_table = Table(
+    "series_chunks",
+    Base.metadata,
+    Column("run_id", String(128), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("metric", String(64), primary_key=True),
+    Column("chunk", BigInteger, primary_key=True),
+    Column("data", LargeBinary, nullable=False),
 )
 
 

