@@ -143,6 +143,7 @@ def fill_steps(db: str, run: str, steps: int) -> None:
 
     from monitor.store import Store
     from monitor.store.models import COUNT_COLUMNS, FLOAT_COLUMNS, Run, steps_table
+    from monitor.store.series import backfill
 
     store = Store(db)
     rng = random.Random(0)
@@ -165,6 +166,7 @@ def fill_steps(db: str, run: str, steps: int) -> None:
                 row.update({c: rng.random() for c in FLOAT_COLUMNS})
                 rows.append(row)
             conn.execute(insert(steps_table), rows)
+        backfill(conn, runs=[run])  # bulk rows bypass record_batch: build the series chunks
     store.close()
 
 
