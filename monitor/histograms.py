@@ -18,8 +18,6 @@ import numpy.typing as npt
 __all__ = [
     "ABS_LOG_RATIO_BUCKETS",
     "ESTR_SCORE_BUCKETS",
-    "FINE_BINS",
-    "FINE_RESOLUTION",
     "HEATMAP_ABS_DELTA_EDGES",
     "HEATMAP_ENTROPY_EDGES",
     "FineLayout",
@@ -120,8 +118,6 @@ ESTR_SCORE_LAYOUT = FineLayout(lo_exp=-60, hi_exp=24, sub_bits=3, coarse=ESTR_SC
 ENTROPY_LAYOUT = FineLayout(lo_exp=-30, hi_exp=10, sub_bits=3, coarse=())
 HEATMAP_ABS_DELTA_TABLE = left_closed_table(ABS_DELTA_LAYOUT, HEATMAP_ABS_DELTA_EDGES)
 HEATMAP_ENTROPY_TABLE = left_closed_table(ENTROPY_LAYOUT, HEATMAP_ENTROPY_EDGES)
-FINE_BINS = ABS_DELTA_LAYOUT.bins
-FINE_RESOLUTION = 2.0**-ABS_DELTA_LAYOUT.sub_bits
 
 
 def fine_quantile(

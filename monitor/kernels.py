@@ -35,7 +35,7 @@ from monitor.fastmath import (
     order_key,
 )
 
-__all__ = ["F", "M", "C", "N_POLICIES", "core_kernel", "k3_of"]
+__all__ = ["F", "M", "C", "core_kernel", "k3_of"]
 
 
 class F:
@@ -65,7 +65,6 @@ class C:
     size = 13
 
 
-N_POLICIES = 8
 _CHUNK = 1024
 _BIG = 1.7976931348623157e308
 _FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf assumptions
