@@ -4,7 +4,7 @@
 # /tmp/timwatch-pg), listens on 127.0.0.1 only (a free port unless $PGPORT is set), trusts local
 # connections and creates database `timwatch`. The last line printed on stdout is the SQLAlchemy
 # URL, e.g. `export TIMWATCH_TEST_PG_URL=$(bash .ci/start-postgres.sh | tail -n1)`.
-# Stop it with: su postgres -c "pg_ctl -D $PGDIR stop" (or runuser, as below).
+# Stop (and remove) it with: bash .ci/stop-postgres.sh "$PGDIR".
 set -euo pipefail
 
 PGDIR="${PGDIR:-/tmp/timwatch-pg}"

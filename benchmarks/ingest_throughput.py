@@ -30,8 +30,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from monitor.batch import Batch  # noqa: E402
-from monitor.jsoncodec import dumps  # noqa: E402
+from timwatch.monitor.core.batch import Batch  # noqa: E402
+from timwatch.monitor.core.jsoncodec import dumps  # noqa: E402
 
 
 def free_port() -> int:
@@ -46,7 +46,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "TIMWATCH_TOKEN"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "monitor.service_cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "timwatch", "serve", "--port", str(self.port),
              "--db", db, "--log-level", "warning"],
             cwd=REPO, env=env,
         )  # fmt: skip
@@ -141,9 +141,9 @@ def fill_steps(db: str, run: str, steps: int) -> None:
     """Write `steps` synthetic step rows straight into the store (the query is what we time)."""
     from sqlalchemy import insert
 
-    from monitor.store import Store
-    from monitor.store.models import COUNT_COLUMNS, FLOAT_COLUMNS, Run, steps_table
-    from monitor.store.series import backfill
+    from timwatch.monitor.store import Store
+    from timwatch.monitor.store.models import COUNT_COLUMNS, FLOAT_COLUMNS, Run, steps_table
+    from timwatch.monitor.store.series import backfill
 
     store = Store(db)
     rng = random.Random(0)
@@ -202,8 +202,8 @@ def bench_query(db: str, label: str, steps: int, repeats: int) -> None:
 
 
 def bench_sqlite_sync(n: int = 200) -> None:
-    from monitor.engine import accumulate
-    from monitor.store import Store
+    from timwatch.monitor.core.engine import accumulate
+    from timwatch.monitor.store import Store
 
     batch = make_batch(4096, step=0, seed=1)
     acc = accumulate(batch)

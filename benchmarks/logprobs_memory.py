@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from monitor.logprobs import logprobs_and_entropy_from_logits
+from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
 
 
 class Largest(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""Masked tokens per second for the full catalog (every SPEC §2 metric, every §3 policy).
+"""Masked tokens per second for the full catalog (every metric and every policy).
 
 One command: `python benchmarks/metrics_throughput.py`. Batches of 1M tokens in 2,000 ragged
 sequences with a realistic entropy mix (most tokens near-zero entropy, a long tail) and masked
@@ -23,9 +23,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from monitor.batch import Batch  # noqa: E402
-from monitor.engine import accumulate  # noqa: E402
-from monitor.masks import PolicyParams  # noqa: E402
+from timwatch.monitor.core.batch import Batch  # noqa: E402
+from timwatch.monitor.core.engine import accumulate  # noqa: E402
+from timwatch.monitor.core.masks import PolicyParams  # noqa: E402
+from timwatch.monitor.core.row import derive_row
 
 
 def make_batch(n_tokens: int, n_seq: int, seed: int = 0) -> Batch:
@@ -153,7 +154,7 @@ def main() -> None:
     b = make_batch(args.tokens, args.sequences)
     params = PolicyParams()
     masked = int(b.loss_mask.sum())
-    t_engine = best_of(lambda: accumulate(b, params, threads=1).row(), args.repeat)
+    t_engine = best_of(lambda: derive_row(accumulate(b, params, threads=1)), args.repeat)
     t_numpy = best_of(lambda: numpy_baseline(b, params), max(3, args.repeat // 3))
     t_floor = best_of(lambda: memory_floor(b), args.repeat)
     print(f"batch: {args.tokens:,} tokens, {masked:,} masked, {args.sequences:,} sequences")

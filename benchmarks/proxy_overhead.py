@@ -70,7 +70,7 @@ def main() -> None:
     )
     proxy_args = [
         "-c",
-        "from sidecar.cli import sidecar_app; sidecar_app()",
+        "from timwatch.sidecar.cli import sidecar_app; sidecar_app()",
         "sglang",
         "--upstream",
         f"http://127.0.0.1:{fport}",

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ingest_throughput import fill_steps, make_batch  # noqa: E402
 
-import monitor.store.repo as repo  # noqa: E402
-import monitor.store.series as series  # noqa: E402
-from monitor.engine import accumulate  # noqa: E402
-from monitor.jsoncodec import dumps  # noqa: E402
-from monitor.store import Store  # noqa: E402
+import timwatch.monitor.store.repo as repo  # noqa: E402
+import timwatch.monitor.store.series as series  # noqa: E402
+from timwatch.monitor.core.engine import accumulate  # noqa: E402
+from timwatch.monitor.core.jsoncodec import dumps  # noqa: E402
+from timwatch.monitor.store import Store  # noqa: E402
 
 NAMES = ["mismatch_kl", "is_ratio_std"]
 

@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sidecar.tap import Tap  # noqa: E402
+from timwatch.sidecar.tap import Tap  # noqa: E402
 
 
 def _port() -> int:
@@ -47,7 +47,7 @@ def _server(db: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("TIMWATCH_TOKEN", None)
-    cmd = [sys.executable, "-m", "monitor.service_cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "timwatch", "serve", "--port", str(port),
            "--db", db, "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

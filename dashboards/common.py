@@ -3,8 +3,9 @@
 Every panel goes through :func:`timeseries`, :func:`bar_gauge`, :func:`stat` or
 :func:`heatmap_panel` so that the invariants the tests check (a datasource, a unit, a
 "Healthy: ..." description, PromQL targets with legends) hold by construction rather than by
-review.  PromQL is written with the helpers below so that the additive forms of SPEC §4 —
-``sum by (run)`` over ``rate()`` of the exported sums and counts — stay exact across sidecars.
+review.  PromQL is written with the helpers below so that the additive forms of
+docs/reference/prometheus.md — ``sum by (run)`` over ``rate()`` of the exported sums and counts —
+stay exact across sidecars.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def query_targets(
     built = []
     for i, target in enumerate(targets):
         expr, legend = target[0], target[1]
-        instant = len(target) > 2 and bool(target[2])  # type: ignore[misc]
+        instant = len(target) > 2 and bool(target[2])
         q = (
             prometheus_b.Dataquery()
             .ref_id(chr(ord("A") + i))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dashboard_b
 
-from dashboards.common import (
+from timwatch.dashboards.common import (
     RUN,
     IdAllocator,
     base_dashboard,
@@ -19,7 +19,7 @@ from dashboards.common import (
     ratio_of_rates,
     timeseries,
 )
-from dashboards.run_overview import ENTROPY_WINDOW, NOISE_WINDOW
+from timwatch.dashboards.run_overview import ENTROPY_WINDOW, NOISE_WINDOW
 
 __all__ = ["UID", "build"]
 

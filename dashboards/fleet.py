@@ -12,7 +12,7 @@ from grafana_foundation_sdk.builders import table as table_b
 from grafana_foundation_sdk.models import dashboard as dashboard_m
 from grafana_foundation_sdk.models import prometheus as prometheus_m
 
-from dashboards.common import (
+from timwatch.dashboards.common import (
     DATASOURCE,
     RUN,
     IdAllocator,
@@ -23,7 +23,7 @@ from dashboards.common import (
     stat,
     timeseries,
 )
-from dashboards.run_overview import KL_WINDOW
+from timwatch.dashboards.run_overview import KL_WINDOW
 
 __all__ = ["UID", "build"]
 

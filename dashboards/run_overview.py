@@ -1,4 +1,4 @@
-"""*timwatch — Run overview*: every SPEC §4 signal for the selected runs.
+"""*timwatch — Run overview*: every exported signal for the selected runs.
 
 Where a quantity exists both as an additive series and as a last-batch gauge, the panel shows
 both: the additive form (``rate`` of sums over counts) is exact across sidecars and smooths over
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dashboard_b
 
-from dashboards.common import (
+from timwatch.dashboards.common import (
     RUN,
     IdAllocator,
     base_dashboard,

@@ -1,46 +1,142 @@
-"""timwatch's core: the validated batch model, the metric engine and the mask policies.
+"""timwatch's monitor: the numeric core (batch model, metric engine, masks), the trainer-side
+losses, the HTTP service, the history store and its client.
 
-The public surface is re-exported here; the service (`monitor.api`), the store and the
-exporter are imported from their own modules. Nothing here imports torch.
+Everything users import is named here and imported on first use, so ``import
+timwatch.monitor`` loads neither numba, FastAPI nor torch. Layers, lowest first:
+`core` ← `trainer` (torch), `store`, `client` ← `service` ← `cli`.
 """
 
-from monitor.accumulator import Accumulator
-from monitor.batch import Batch, BatchError
-from monitor.engine import accumulate, analyze
-from monitor.masks import (
-    POLICIES,
-    PolicyParams,
-    delta_abs_keep_mask,
-    estr_keep_mask,
-    geo_rs_keep_mask,
-    icepop_keep_mask,
-    k3_rs_keep_mask,
-    keep_masks,
-    kpop_keep_mask,
-    seq_mis_keep_mask,
-    tis_keep_mask,
-    tis_weights,
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from timwatch.monitor.core.errors import (
+    ApiError,
+    BatchError,
+    InputError,
+    InsecureBindError,
+    JoinError,
+    SeriesMismatch,
+    StoreUnavailable,
+    TimwatchError,
+    TimwatchHTTPError,
+    WireError,
 )
-from monitor.row import MetricRow
+from timwatch.monitor.core.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from timwatch.monitor.client import TimwatchClient, decode_masks
+    from timwatch.monitor.core.accumulator import Accumulator
+    from timwatch.monitor.core.batch import Batch
+    from timwatch.monitor.core.engine import accumulate, analyze
+    from timwatch.monitor.core.masks import (
+        POLICIES,
+        PolicyParams,
+        delta_abs_keep_mask,
+        estr_keep_mask,
+        geo_rs_keep_mask,
+        icepop_keep_mask,
+        k3_rs_keep_mask,
+        keep_masks,
+        kpop_keep_mask,
+        seq_mis_keep_mask,
+        tis_keep_mask,
+        tis_weights,
+    )
+    from timwatch.monitor.core.row import MetricRow, derive_row
+    from timwatch.monitor.core.version import __version__
+    from timwatch.monitor.service.app import create_app
+    from timwatch.monitor.service.settings import Settings
+    from timwatch.monitor.store.repo import Store
+    from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
+    from timwatch.monitor.trainer.losses import (
+        EwmaOldPolicy,
+        decoupled_ppo_loss,
+        decoupled_ratios,
+        estr_ppo_loss,
+    )
+
+_MASKS = "timwatch.monitor.core.masks"
+_LOSSES = "timwatch.monitor.trainer.losses"
+_EXPORTS = {
+    "__version__": "timwatch.monitor.core.version",
+    "Accumulator": "timwatch.monitor.core.accumulator",
+    "Batch": "timwatch.monitor.core.batch",
+    "accumulate": "timwatch.monitor.core.engine",
+    "analyze": "timwatch.monitor.core.engine",
+    "MetricRow": "timwatch.monitor.core.row",
+    "derive_row": "timwatch.monitor.core.row",
+    **dict.fromkeys(
+        [
+            "POLICIES",
+            "PolicyParams",
+            "delta_abs_keep_mask",
+            "estr_keep_mask",
+            "geo_rs_keep_mask",
+            "icepop_keep_mask",
+            "k3_rs_keep_mask",
+            "keep_masks",
+            "kpop_keep_mask",
+            "seq_mis_keep_mask",
+            "tis_keep_mask",
+            "tis_weights",
+        ],
+        _MASKS,
+    ),
+    "TimwatchClient": "timwatch.monitor.client",
+    "decode_masks": "timwatch.monitor.client",
+    "create_app": "timwatch.monitor.service.app",
+    "Settings": "timwatch.monitor.service.settings",
+    "Store": "timwatch.monitor.store.repo",
+    "logprobs_and_entropy_from_logits": "timwatch.monitor.trainer.logprobs",
+    **dict.fromkeys(
+        ["EwmaOldPolicy", "decoupled_ppo_loss", "decoupled_ratios", "estr_ppo_loss"], _LOSSES
+    ),
+}
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "POLICIES",
     "Accumulator",
+    "ApiError",
     "Batch",
     "BatchError",
+    "EwmaOldPolicy",
+    "InputError",
+    "InsecureBindError",
+    "JoinError",
     "MetricRow",
     "PolicyParams",
+    "SeriesMismatch",
+    "Settings",
+    "Store",
+    "StoreUnavailable",
+    "TimwatchClient",
+    "TimwatchError",
+    "TimwatchHTTPError",
+    "WireError",
+    "__version__",
     "accumulate",
     "analyze",
+    "create_app",
+    "decode_masks",
+    "decoupled_ppo_loss",
+    "decoupled_ratios",
     "delta_abs_keep_mask",
+    "derive_row",
     "estr_keep_mask",
+    "estr_ppo_loss",
     "geo_rs_keep_mask",
     "icepop_keep_mask",
     "k3_rs_keep_mask",
     "keep_masks",
     "kpop_keep_mask",
+    "logprobs_and_entropy_from_logits",
     "seq_mis_keep_mask",
     "tis_keep_mask",
     "tis_weights",
 ]
-__version__ = "0.1.0"
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -10,19 +10,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from monitor.jsoncodec import dumps, loads
+from timwatch.monitor.core.errors import TimwatchHTTPError
+from timwatch.monitor.core.jsoncodec import dumps, loads
 
 __all__ = ["DEFAULT_URL", "TimwatchClient", "TimwatchHTTPError", "decode_masks"]
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-class TimwatchHTTPError(RuntimeError):
-    """A non-2xx answer; ``status`` and the server's ``detail``."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(f"HTTP {status}: {detail}")
-        self.status, self.detail = status, detail
 
 
 def decode_masks(masks: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -25,13 +25,20 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q -e '.[test]'
 
 if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
-  pg_url="$(PGDIR="${PGDIR:-/tmp/timwatch-pg-tests}" bash .ci/start-postgres.sh | tail -n1)"
+  # a fresh cluster in a new directory for this run, stopped and removed when the script exits
+  PGDIR="$(mktemp -d /tmp/timwatch-pg-tests.XXXXXX)"
+  stop_pg() {
+    bash .ci/stop-postgres.sh "$PGDIR" >/dev/null 2>&1 || true
+  }
+  trap stop_pg EXIT
+  pg_url="$(PGDIR="$PGDIR" bash .ci/start-postgres.sh | tail -n1)"
   [ -n "$pg_url" ] || { echo "PostgreSQL did not start" >&2; exit 1; }
   export TIMWATCH_TEST_PG_URL="$pg_url"
 fi
 echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
 export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 
-.venv/bin/ruff check monitor sidecar dashboards alerts tests benchmarks
-.venv/bin/mypy monitor sidecar
+.venv/bin/ruff check timwatch monitor sidecar dashboards alerts tests benchmarks
+.venv/bin/ruff format --check -q timwatch monitor sidecar dashboards alerts tests benchmarks
+.venv/bin/mypy  # the packages of [tool.mypy]: timwatch, with its linked sub-packages
 .venv/bin/python -m pytest -p no:cacheprovider "$@"

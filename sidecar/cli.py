@@ -71,10 +71,10 @@ def sglang(
     """
     import uvicorn
 
-    from monitor.runs import check_run_id
-    from sidecar.join_http import install_join
-    from sidecar.probe_forward import PROBE_RUN_SUFFIX, install_probe_forward
-    from sidecar.sglang_proxy import create_app
+    from timwatch.monitor.core.runid import check_run_id
+    from timwatch.sidecar.proxy.join_http import install_join
+    from timwatch.sidecar.proxy.probe_forward import PROBE_RUN_SUFFIX, install_probe_forward
+    from timwatch.sidecar.proxy.sglang import create_app
 
     host, port = _split_listen(listen)
     for name in (run, run + PROBE_RUN_SUFFIX):

@@ -1,133 +1,21 @@
-"""Fixtures for the service tests: real uvicorn server processes and a real PostgreSQL.
+"""Fixtures shared by every tier: ``timwatch serve`` subprocesses and a real PostgreSQL.
 
-Servers run as ``python -m monitor.service_cli serve`` subprocesses on free 127.0.0.1 ports.
-PostgreSQL comes from ``TIMWATCH_TEST_PG_URL`` (``.ci/start-postgres.sh`` prints one); each
-test that asks for it gets a fresh database. In CI (``CI`` set) a missing PostgreSQL fails the
-test instead of skipping it.
+Servers run as ``python -m timwatch serve`` subprocesses on free 127.0.0.1 ports
+(`tests.helpers.procs`). PostgreSQL comes from ``TIMWATCH_TEST_PG_URL`` (``.ci/start-postgres.sh``
+prints one); each test that asks for it gets a fresh database. With ``CI`` or
+``TIMWATCH_REQUIRE_PG`` set, a missing PostgreSQL fails the test instead of skipping it.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def running_process(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
-    """`python ARGS` from the repo root (repo and tests/ importable), up once `ready_url` answers
-    200; terminated (then killed) on exit."""
-    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, f"{args[:2]} exited with {proc.returncode}"
-            try:
-                if httpx.get(ready_url, timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"{ready_url} never came up"
-            time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@dataclass
-class ServerProc:
-    """A running ``timwatch serve`` subprocess."""
-
-    db: str
-    port: int
-    args: list[str]
-    env: dict[str, str]
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-    token: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 60.0) -> ServerProc:
-        cmd = [
-            sys.executable, "-m", "monitor.service_cli", "serve",
-            "--host", "127.0.0.1", "--port", str(self.port), "--db", self.db,
-            "--log-level", "warning", *self.args,
-        ]  # fmt: skip
-        out = self.log.open("ab")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out, stderr=out)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server did not come up:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-    def client(self, token: str | None = None) -> httpx.Client:
-        tok = token if token is not None else self.token
-        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
-
-
-def _server_env(extra: dict[str, str] | None) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("TIMWATCH_TOKEN", "TIMWATCH_READ_TOKEN")
-    }
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra or {})
-    return env
+from tests.helpers.procs import ServerProc, free_port, server_env
 
 
 @pytest.fixture
@@ -147,7 +35,7 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
             db=db,
             port=free_port(),
             args=list(args or []),
-            env=_server_env(env),
+            env=server_env(env),
             log=tmp_path / f"server-{len(started)}.log",
             token=token,
         )
@@ -201,3 +89,18 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'store.db'}"
     return str(request.getfixturevalue("pg_url"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tier markers: everything under tests/stack is ``slow``; a test on PostgreSQL is
+    ``postgres`` (so ``-m "not slow"`` or ``-m "not postgres"`` select quick subsets)."""
+    stack = Path(__file__).resolve().parent / "stack"
+    for item in items:
+        if stack in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.slow)
+        callspec = getattr(item, "callspec", None)
+        on_pg = "pg_url" in getattr(item, "fixturenames", ()) or (
+            callspec is not None and callspec.params.get("db_url") == "postgresql"
+        )
+        if on_pg:
+            item.add_marker(pytest.mark.postgres)

@@ -10,7 +10,7 @@ from sqlalchemy.engine import make_url
 
 __all__ = ["describe_url", "is_sqlite", "make_engine", "upgrade"]
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 #: seconds a writer waits on a locked SQLite file before the API answers 503
 SQLITE_BUSY_TIMEOUT_S = 5.0

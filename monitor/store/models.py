@@ -46,7 +46,8 @@ SEQ_POLICIES = ("seq_mis", "geo_rs", "k3_rs")
 
 #: integer-valued metrics of a row
 COUNT_COLUMNS = ("tokens", "sequences", "nonfinite_tokens")
-#: float-valued scalar metrics of a row (SPEC §2), then the flattened per-policy ratios
+#: float-valued scalar metrics of a row (docs/reference/metrics.md), then the flattened per-policy
+# ratios
 FLOAT_COLUMNS = (
     "mismatch_kl",
     "kl_k1",
@@ -115,7 +116,7 @@ steps_table = Table(
 )
 
 
-#: packed per-metric arrays of the step series (``monitor.store.series`` reads and writes them)
+#: packed per-metric arrays of the step series (``store.series`` reads and writes them)
 series_table = Table(
     "series_chunks",
     Base.metadata,

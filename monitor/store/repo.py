@@ -21,8 +21,11 @@ from sqlalchemy import Table, func, insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
-from monitor.store.models import (
+from timwatch.monitor.core.accumulator import Accumulator
+from timwatch.monitor.core.errors import StoreUnavailable
+from timwatch.monitor.core.row import derive_row
+from timwatch.monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
+from timwatch.monitor.store.models import (
     METRIC_COLUMNS,
     BatchRecord,
     Event,
@@ -30,9 +33,9 @@ from monitor.store.models import (
     StepDetail,
     steps_table,
 )
-from monitor.store.series import SeriesMismatch, jsonable, read_series
-from monitor.store.series import write_step as write_series
-from monitor.store.writes import (
+from timwatch.monitor.store.series import SeriesMismatch, jsonable, read_series
+from timwatch.monitor.store.series import write_step as write_series
+from timwatch.monitor.store.writes import (
     find_batch,
     flatten_row,
     lock_step_state,
@@ -51,15 +54,11 @@ _events = cast(Table, Event.__table__)
 _RETRIES = 8
 
 
-class StoreUnavailable(RuntimeError):
-    """The database is down, locked past its timeout, or refused the connection."""
-
-
 class Store:
     """The history store behind the API. Thread-safe; call from worker threads, not the loop."""
 
     def __init__(self, url: str, *, migrate: bool = True, sqlite_synchronous: str = "FULL") -> None:
-        from monitor.jsoncodec import dumps_str, loads
+        from timwatch.monitor.core.jsoncodec import dumps_str, loads
 
         self.url = url
         self.description = describe_url(url)
@@ -126,7 +125,6 @@ class Store:
         ``(answer, replayed, merged_step_accumulator)``; a replay returns the stored answer,
         ``True`` and ``None`` and writes nothing.
         """
-        from monitor.engine import Accumulator
 
         def go() -> tuple[dict[str, Any], bool, Any]:
             for attempt in range(_RETRIES):
@@ -140,7 +138,7 @@ class Store:
                         touch_run(conn, run, step, ts, tags)
                         prev = lock_step_state(conn, run, step, self.sqlite)
                         merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
-                        row = merged.row().to_dict()
+                        row = derive_row(merged).to_dict()
                         write_step_row(conn, run, step, ts, merged, row, new=prev is None)
                         write_series(
                             conn, run, step, step_columns(merged, row), lock=not self.sqlite

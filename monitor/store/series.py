@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, Table, bindparam, column, insert, select, table, update
 
-from monitor.store.models import COUNT_COLUMNS, METRIC_COLUMNS, series_table
+from timwatch.monitor.core.errors import SeriesMismatch
+from timwatch.monitor.store.models import COUNT_COLUMNS, METRIC_COLUMNS, series_table
 
 __all__ = [
     "CHUNK",
@@ -46,10 +47,6 @@ _I8 = np.dtype("<i8")
 _F8 = np.dtype("<f8")
 
 _t: Table = series_table
-
-
-class SeriesMismatch(RuntimeError):
-    """The chunks disagree with each other (e.g. a metric added without backfill)."""
 
 
 def _dtype(name: str) -> np.dtype[Any]:

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Table, insert, select, update
 
-from monitor.store.models import (
+from timwatch.monitor.store.models import (
     COUNT_COLUMNS,
     FLOAT_COLUMNS,
     MASK_POLICIES,

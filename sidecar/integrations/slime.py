@@ -14,7 +14,7 @@ with the original masks.
 Entropy: slime computes H from the trainer's logits in the same `policy_loss_function`
 (`get_log_probs_and_entropy(..., with_entropy=True)`, after `--rollout-temperature` scaling) but
 does not pass it to the TIS function. `install_entropy_hook` (use it as
-`--custom-megatron-init-path sidecar.integrations.slime.install_entropy_hook`) wraps that
+`--custom-megatron-init-path timwatch.sidecar.integrations.slime.install_entropy_hook`) wraps that
 function so its per-sample entropies are kept for the TIS call that follows on the same
 micro-batch. τ and ε come from `args.estr_tau` / `args.estr_eps` (set them in the YAML of
 `--custom-config-path`), else TIMWATCH_ESTR_TAU / TIMWATCH_ESTR_EPS, else 1.6 / 0.01.
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from monitor.losses import k3
-from monitor.masks import estr_keep_mask
+from timwatch.monitor.core.masks import estr_keep_mask
+from timwatch.monitor.trainer.losses import k3
 
 __all__ = ["estr_tis_function", "install_entropy_hook", "set_entropy"]
 
@@ -106,7 +106,7 @@ def estr_tis_function(
     if entropy is None:
         raise RuntimeError(
             "estr_tis_function: no entropy for this micro-batch; add "
-            "--custom-megatron-init-path sidecar.integrations.slime.install_entropy_hook"
+            "--custom-megatron-init-path timwatch.sidecar.integrations.slime.install_entropy_hook"
         )
     n = len(loss_masks)
     for name, seq in (

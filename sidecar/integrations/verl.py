@@ -14,13 +14,13 @@ So the loss reads both from a per-thread context (`estr_inputs`), which `install
 fills by wrapping `DataParallelPPOActor._forward_micro_batch`: right after the forward of a
 micro-batch, that micro-batch's `rollout_log_probs` and `entropys` become the context, and the
 loss called next on the same micro-batch reads them (shapes are checked). Importing this module
-inside verl's processes — `VERL_USE_EXTERNAL_MODULES=sidecar.integrations.verl`, which verl's own
-`__init__` honours — registers the loss and installs the hooks. Other actors (Megatron, the new
-engine workers) can set the context themselves with `estr_inputs(...)`.
+inside verl's processes — `VERL_USE_EXTERNAL_MODULES=timwatch.sidecar.integrations.verl`, which
+verl's own `__init__` honours — registers the loss and installs the hooks. Other actors
+(Megatron, the new engine workers) can set the context themselves with `estr_inputs(...)`.
 
 Per-token reporting: when `TIMWATCH_URL` is set in a worker, the hooked `update_policy` captures
 each micro-batch's μ, π_old, H and response mask and reports them as one packed batch per
-training step through `sidecar.tap.Tap` (see `TimwatchTracking`).
+training step through `timwatch.sidecar.tap.Tap` (see `TimwatchTracking`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any, Protocol
 
 import torch
 
-from monitor.losses import k3, ppo_clip_token_loss
-from monitor.masks import estr_keep_mask
+from timwatch.monitor.core.masks import estr_keep_mask
+from timwatch.monitor.trainer.losses import k3, ppo_clip_token_loss
 
 __all__ = [
     "ESTR_LOSS_NAME",
@@ -158,7 +158,7 @@ def compute_policy_loss_estr(
     """verl policy loss `estr`: asymmetric PPO-clip with the stop-gradient ESTR token mask.
 
     Clip range from the actor config (`clip_ratio_low`, `clip_ratio_high`, falling back to
-    `clip_ratio`; SPEC §3 wants 0.20 / 0.28). Rejected tokens contribute zero but stay in the
+    `clip_ratio`; ESTR uses 0.20 / 0.28). Rejected tokens contribute zero but stay in the
     aggregation's denominator. No dual-clip. `rollout_is_weights`, when verl passes them,
     multiply the per-token loss as in verl's `vanilla`. μ and H come from `estr_inputs`.
     """
@@ -169,8 +169,9 @@ def compute_policy_loss_estr(
             f"estr policy loss: no {missing} for this micro-batch. Set "
             "actor_rollout_ref.rollout.calculate_log_probs=True and "
             "actor_rollout_ref.actor.calculate_entropy=True, and load the hooks with "
-            "VERL_USE_EXTERNAL_MODULES=sidecar.integrations.verl (or wrap the loss call in "
-            "sidecar.integrations.verl.estr_inputs(...))"
+            "VERL_USE_EXTERNAL_MODULES=timwatch.sidecar.integrations.verl (or wrap the loss call "
+            "in "
+            "timwatch.sidecar.integrations.verl.estr_inputs(...))"
         )
     for name, t in (("rollout_log_probs", inputs.rollout_log_probs), ("entropy", inputs.entropy)):
         if tuple(t.shape) != tuple(log_prob.shape):
@@ -216,7 +217,7 @@ def compute_policy_loss_estr(
 def pack_padded(
     mask: torch.Tensor, **arrays: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Padded `[batch, L]` arrays → SPEC §1 packed layout.
+    """Padded `[batch, L]` arrays → the packed layout (docs/reference/batch.md).
 
     A row's sequence runs up to its last masked token (verl pads on the right; interior zeros,
     e.g. tool-output tokens in multi-turn rollouts, stay in the sequence with loss_mask 0).
@@ -236,7 +237,7 @@ def pack_padded(
 class TimwatchTracking:
     """A verl-style tracking backend (`log(data, step)`, `finish()`) reporting to a timwatch tap.
 
-    `tap` is any object with `report(step, **packed_arrays)`, normally `sidecar.tap.Tap`, which
+    `tap` is any object with `report(step, **packed_arrays)`, normally `Tap`, which
     returns at once and ships in the background. The `estr` loss calls `capture(...)` for each
     micro-batch while this backend is active (`active()`); `log(data, step)` then reports all
     captured micro-batches of the step as one packed batch (`logp_train` = π_old, the trainer's
@@ -320,7 +321,7 @@ def _worker_backend() -> TimwatchTracking | None:
     if not url:
         return None
     if _WORKER_BACKEND is None:
-        from sidecar.tap import Tap
+        from timwatch.sidecar.tap import Tap
 
         tap = Tap(url, os.environ.get("TIMWATCH_RUN", "verl"), os.environ.get("TIMWATCH_TOKEN"))
         _WORKER_BACKEND = TimwatchTracking(tap)

@@ -1,0 +1,400 @@
+"""The packed batch of docs/reference/batch.md: one validated, immutable object whatever the wire
+format.
+
+Everything downstream (engine, masks, store, exporter) trusts a `Batch`, so every check lives
+here and every refusal names the field and the first bad index. Validation is vectorised: a
+clean batch pays a few numpy passes, and only a bad one pays for locating its first bad index.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from timwatch.monitor.core.errors import BatchError
+
+__all__ = [
+    "Batch",
+    "BatchError",
+    "ENTROPY_SOURCES",
+    "FLOAT_FIELDS",
+    "INT_FIELDS",
+    "OPTIONAL_FIELDS",
+    "REQUIRED_FIELDS",
+    "NonFinitePolicy",
+]
+
+NonFinitePolicy = Literal["refuse", "drop"]
+
+REQUIRED_FIELDS = ("cu_seqlens", "logp_rollout", "logp_train", "entropy", "loss_mask")
+OPTIONAL_FIELDS = ("token_ids", "token_ids_train", "versions", "logp_old", "logp_teacher")
+FLOAT_FIELDS = ("logp_rollout", "logp_train", "entropy", "logp_old", "logp_teacher")
+INT_FIELDS = ("token_ids", "token_ids_train", "versions")
+LOGP_FIELDS = ("logp_rollout", "logp_train", "logp_old", "logp_teacher")
+META_FIELDS = ("step", "batch_id", "policy_version", "entropy_source")
+ENTROPY_SOURCES = ("rollout", "topk", "trainer")
+LOGP_MAX = 1e-6
+_TOKEN_FIELDS = REQUIRED_FIELDS[1:] + OPTIONAL_FIELDS
+
+FloatArray = npt.NDArray[np.floating[Any]]
+IntArray = npt.NDArray[np.integer[Any]]
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """A validated packed batch: flat per-token arrays plus `cu_seqlens`.
+
+    Float arrays keep their wire dtype (float32 or float64); the engine accumulates in float64.
+    """
+
+    cu_seqlens: npt.NDArray[np.int64]
+    logp_rollout: FloatArray
+    logp_train: FloatArray
+    entropy: FloatArray
+    loss_mask: npt.NDArray[np.uint8]
+    token_ids: IntArray | None = None
+    token_ids_train: IntArray | None = None
+    versions: IntArray | None = None
+    logp_old: FloatArray | None = None
+    logp_teacher: FloatArray | None = None
+    step: int = 0
+    batch_id: str | None = None
+    policy_version: int | None = None
+    entropy_source: str = "trainer"
+    nonfinite_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.logp_rollout.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.cu_seqlens.shape[0] - 1)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The present per-token arrays and `cu_seqlens`, by field name."""
+        out: dict[str, np.ndarray] = {}
+        for name in REQUIRED_FIELDS + OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "batch_id": self.batch_id,
+            "policy_version": self.policy_version,
+            "entropy_source": self.entropy_source,
+        }
+
+    # ---- constructors -------------------------------------------------------------------
+
+    @classmethod
+    def from_arrays(
+        cls,
+        *,
+        nonfinite: NonFinitePolicy = "refuse",
+        step: Any = 0,
+        batch_id: Any = None,
+        policy_version: Any = None,
+        entropy_source: Any = "trainer",
+        **arrays: Any,
+    ) -> Batch:
+        """Build from numpy arrays, torch tensors or sequences (copied to host if on a device)."""
+        unknown = sorted(set(arrays) - set(REQUIRED_FIELDS + OPTIONAL_FIELDS))
+        if unknown:
+            raise BatchError(unknown[0], f"unknown field {unknown[0]!r}")
+        converted = {
+            name: _to_numpy(name, value) for name, value in arrays.items() if value is not None
+        }
+        meta = _check_metadata(
+            {
+                "step": step,
+                "batch_id": batch_id,
+                "policy_version": policy_version,
+                "entropy_source": entropy_source,
+            }
+        )
+        return _validate(converted, meta, nonfinite)
+
+    @classmethod
+    def from_json(cls, obj: Any, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
+        """Build from a decoded JSON object: per-token lists plus metadata keys."""
+        if not isinstance(obj, Mapping):
+            raise BatchError("body", "a batch must be a JSON object")
+        unknown = sorted(set(obj) - set(REQUIRED_FIELDS + OPTIONAL_FIELDS + META_FIELDS))
+        if unknown:
+            raise BatchError(unknown[0], f"unknown field {unknown[0]!r}")
+        meta = _check_metadata({k: obj.get(k) for k in META_FIELDS if k in obj})
+        arrays = {
+            name: _json_array(name, obj[name])
+            for name in REQUIRED_FIELDS + OPTIONAL_FIELDS
+            if obj.get(name) is not None
+        }
+        return _validate(arrays, meta, nonfinite)
+
+    @classmethod
+    def from_safetensors(cls, data: bytes, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
+        """Build from safetensors bytes: tensor names are field names, metadata in the header."""
+        from safetensors import SafetensorError
+        from safetensors.numpy import load
+
+        header = _safetensors_header(data)
+        raw_meta = header.get("__metadata__") or {}
+        unknown = sorted(
+            (set(header) - {"__metadata__"}) - set(REQUIRED_FIELDS + OPTIONAL_FIELDS)
+        ) or sorted(set(raw_meta) - set(META_FIELDS))
+        if unknown:
+            raise BatchError(unknown[0], f"unknown field {unknown[0]!r}")
+        for name, info in header.items():
+            if name != "__metadata__" and info.get("dtype") in ("BF16", "F8_E4M3", "F8_E5M2"):
+                raise BatchError(name, f"{name} has dtype {info['dtype']}; send float32 or float64")
+        try:
+            tensors = load(data)
+        except SafetensorError as exc:
+            raise BatchError("body", f"invalid safetensors: {exc}") from None
+        meta = _check_metadata(_parse_meta(raw_meta))
+        arrays = {name: _to_numpy(name, value) for name, value in tensors.items()}
+        return _validate(arrays, meta, nonfinite)
+
+    # ---- serialisation ------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in self.metadata().items() if v is not None}
+        for name, value in self.arrays().items():
+            out[name] = value.tolist()
+        return out
+
+    def to_safetensors(self) -> bytes:
+        from safetensors.numpy import save
+
+        meta = {k: str(v) for k, v in self.metadata().items() if v is not None}
+        tensors = {name: np.ascontiguousarray(v) for name, v in self.arrays().items()}
+        return save(tensors, metadata=meta)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+
+def _safetensors_header(data: bytes) -> dict[str, Any]:
+    if len(data) < 8:
+        raise BatchError("body", "invalid safetensors: shorter than its 8-byte header length")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise BatchError("body", f"invalid safetensors: header of {n} bytes is truncated")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError as exc:
+        raise BatchError("body", f"invalid safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise BatchError("body", "invalid safetensors header: not an object")
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise BatchError("__metadata__", "safetensors metadata must map names to strings")
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not isinstance(info.get("dtype"), str)
+            or not isinstance(info.get("shape"), list)
+        ):
+            raise BatchError(name, f"invalid safetensors: tensor {name!r} has a malformed header")
+        if 8 + n + offsets[1] > len(data):
+            raise BatchError(name, f"invalid safetensors: tensor {name!r} is truncated")
+    return header
+
+
+def _parse_meta(raw: Mapping[str, str]) -> dict[str, Any]:
+    """safetensors metadata values are strings; turn the numeric ones back into ints."""
+    out: dict[str, Any] = dict(raw)
+    for key in ("step", "policy_version"):
+        if key in out:
+            try:
+                out[key] = int(out[key])
+            except (TypeError, ValueError):
+                raise BatchError(key, f"{key} must be an integer, got {out[key]!r}") from None
+    return out
+
+
+def _check_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"step": 0, "batch_id": None, "policy_version": None}
+    out["entropy_source"] = "trainer"
+    for key in ("step", "policy_version"):
+        value = meta.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise BatchError(key, f"{key} must be an integer, got {value!r}")
+        if value < 0:
+            raise BatchError(key, f"{key} must be ≥ 0, got {value}")
+        out[key] = int(value)
+    batch_id = meta.get("batch_id")
+    if batch_id is not None:
+        if not isinstance(batch_id, str) or not batch_id or len(batch_id) > 256:
+            raise BatchError("batch_id", "batch_id must be a non-empty string of ≤ 256 chars")
+        out["batch_id"] = batch_id
+    source = meta.get("entropy_source")
+    if source is not None:
+        if source not in ENTROPY_SOURCES:
+            raise BatchError(
+                "entropy_source", f"entropy_source must be one of {ENTROPY_SOURCES}, got {source!r}"
+            )
+        out["entropy_source"] = source
+    return out
+
+
+def _to_numpy(name: str, value: Any) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing it
+        tensor = value.detach()
+        if str(tensor.dtype) in ("torch.bfloat16", "torch.float16"):
+            tensor = tensor.float()
+        value = tensor.cpu().numpy()
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise BatchError(name, f"{name} must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+def _json_array(name: str, value: Any) -> np.ndarray:
+    if not isinstance(value, list):
+        raise BatchError(name, f"{name} must be a list, got {type(value).__name__}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError):
+        arr = np.asarray(value, dtype=object)
+    if arr.dtype.kind in "fiub" and arr.ndim == 1:
+        return arr
+    for i, item in enumerate(value):  # slow path: only taken to name a bad element
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise BatchError(name, f"{name}[{i}] must be a number, got {item!r:.40}", i)
+    raise BatchError(name, f"{name} must be a flat list of numbers")
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def _check_dtypes(arrays: dict[str, np.ndarray]) -> None:
+    for name, arr in arrays.items():
+        kind = arr.dtype.kind
+        if name in FLOAT_FIELDS:
+            ok = kind in "fiu"
+            want = "numbers"
+        elif name == "loss_mask":
+            ok = kind in "iubf"  # float masks (verl's response_mask) are checked for 0/1 below
+            want = "integers 0/1 or booleans"
+        else:
+            ok = kind in "iu"
+            want = "integers"
+        if not ok:
+            if kind == "f" and name != "loss_mask":
+                frac = arr != np.floor(arr)
+                if frac.any():
+                    i = _first(frac)
+                    raise BatchError(name, f"{name}[{i}] = {arr[i].item()!r} must be an integer", i)
+                raise BatchError(name, f"{name} must hold {want}, got dtype {arr.dtype}")
+            raise BatchError(name, f"{name} must hold {want}, got dtype {arr.dtype}")
+
+
+def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: str) -> Batch:
+    for name in REQUIRED_FIELDS:
+        if name not in arrays:
+            raise BatchError(name, f"missing required field {name!r}")
+    n = int(arrays["logp_rollout"].shape[0])
+    if n == 0:
+        raise BatchError("logp_rollout", "empty batch: logp_rollout has no tokens")
+    _check_dtypes(arrays)
+    for name in _TOKEN_FIELDS:
+        if name in arrays and arrays[name].shape[0] != n:
+            raise BatchError(
+                name,
+                f"{name} has {arrays[name].shape[0]} entries, expected {n} "
+                "(the length of logp_rollout)",
+            )
+    cu = arrays["cu_seqlens"].astype(np.int64, copy=False)
+    if cu.shape[0] < 2:
+        raise BatchError("cu_seqlens", "cu_seqlens needs at least 2 entries (n_seq + 1)")
+    if cu[0] != 0:
+        raise BatchError("cu_seqlens", f"cu_seqlens must start at 0, starts at {cu[0]}", 0)
+    dec = cu[1:] < cu[:-1]
+    if dec.any():
+        i = _first(dec) + 1
+        raise BatchError(
+            "cu_seqlens",
+            f"cu_seqlens must be non-decreasing: cu_seqlens[{i}] = {cu[i]} < "
+            f"cu_seqlens[{i - 1}] = {cu[i - 1]}",
+            i,
+        )
+    if cu[-1] != n:
+        raise BatchError(
+            "cu_seqlens",
+            f"cu_seqlens must end at {n} (the token count), ends at {cu[-1]}",
+            cu.shape[0] - 1,
+        )
+    mask = arrays["loss_mask"]
+    if mask.dtype.kind != "b":
+        bad = (mask != 0) & (mask != 1)
+        if bad.any():
+            i = _first(bad)
+            raise BatchError("loss_mask", f"loss_mask[{i}] = {mask[i]} is not 0 or 1", i)
+    mask = mask.astype(np.uint8, copy=nonfinite == "drop")
+    floats = {
+        name: arrays[name] if arrays[name].dtype.kind == "f" else arrays[name].astype(np.float64)
+        for name in FLOAT_FIELDS
+        if name in arrays
+    }
+    dropped = 0
+    if nonfinite == "drop":
+        bad_any = np.zeros(n, dtype=bool)
+        for arr in floats.values():
+            bad_any |= ~np.isfinite(arr)
+        dropped = int(bad_any.sum())
+        if dropped:
+            mask[bad_any] = 0
+            floats = {k: np.where(bad_any, 0.0, v).astype(v.dtype) for k, v in floats.items()}
+    elif nonfinite != "refuse":
+        raise ValueError(f"nonfinite must be 'refuse' or 'drop', got {nonfinite!r}")
+    for name, arr in floats.items():
+        _check_floats(name, arr)
+    for name in INT_FIELDS:
+        if name in arrays and name != "versions" and arrays[name].min() < 0:
+            i = _first(arrays[name] < 0)
+            raise BatchError(name, f"{name}[{i}] = {arrays[name][i]} is negative", i)
+    ints = {
+        name: arrays[name].astype(np.int64, copy=False) for name in INT_FIELDS if name in arrays
+    }
+    return Batch(
+        cu_seqlens=cu,
+        loss_mask=mask,
+        nonfinite_tokens=dropped,
+        **floats,  # type: ignore[arg-type]
+        **ints,  # type: ignore[arg-type]
+        **meta,
+    )
+
+
+def _check_floats(name: str, arr: np.ndarray) -> None:
+    finite = np.isfinite(arr)
+    if not finite.all():
+        i = _first(~finite)
+        what = "NaN" if np.isnan(arr[i]) else ("+inf" if arr[i] > 0 else "-inf")
+        raise BatchError(name, f"{name}[{i}] is {what}", i)
+    if name in LOGP_FIELDS:
+        if arr.max() > LOGP_MAX:
+            i = _first(arr > LOGP_MAX)
+            raise BatchError(
+                name, f"{name}[{i}] = {float(arr[i])!r} is a positive log-prob (must be ≤ 1e-6)", i
+            )
+    elif arr.min() < 0:
+        i = _first(arr < 0)
+        raise BatchError(name, f"{name}[{i}] = {float(arr[i])!r} is negative (must be ≥ 0)", i)

@@ -1,0 +1,104 @@
+"""The one exception tree of timwatch: every error the project raises derives from
+`TimwatchError`, so ``except TimwatchError`` catches all of them and nothing else.
+
+Each subclass also keeps the builtin base callers already catch (`ValueError` for bad input,
+`RuntimeError` for a failing dependency), so handlers written against those keep working.
+
+    TimwatchError
+    ├── InputError (ValueError)            bad data from a user or a client
+    │   ├── BatchError                     a batch that fails validation (field, index)
+    │   ├── JoinError                      a malformed trainer report (field)
+    │   └── WireError                      an engine answer of the wrong shape
+    ├── StoreUnavailable (RuntimeError)    the history store is down, locked or full
+    ├── SeriesMismatch (RuntimeError)      stored series chunks disagree with each other
+    ├── InsecureBindError (RuntimeError)   a public bind without a write token
+    ├── ApiError                           an HTTP answer the service gives (status, detail)
+    └── TimwatchHTTPError (RuntimeError)   a non-2xx answer seen by the client (status, detail)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ApiError",
+    "BatchError",
+    "InputError",
+    "InsecureBindError",
+    "JoinError",
+    "SeriesMismatch",
+    "StoreUnavailable",
+    "TimwatchError",
+    "TimwatchHTTPError",
+    "WireError",
+]
+
+
+class TimwatchError(Exception):
+    """Base of every exception timwatch raises."""
+
+
+class InputError(TimwatchError, ValueError):
+    """Input that timwatch refuses; `field` names where it went wrong when known."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class BatchError(InputError):
+    """A batch that fails validation. `field` and `index` locate the first problem."""
+
+    def __init__(self, field: str, message: str, index: int | None = None) -> None:
+        super().__init__(field, message)
+        self.index = index
+
+
+class JoinError(InputError):
+    """A malformed trainer report; ``field`` names the offending place (``samples[3].entropy``)."""
+
+
+class WireError(TimwatchError, ValueError):
+    """An engine answer that does not have the expected shape; names the field and index."""
+
+
+class StoreUnavailable(TimwatchError, RuntimeError):
+    """The database is down, locked past its timeout, or refused the connection."""
+
+
+class SeriesMismatch(TimwatchError, RuntimeError):
+    """The stored series chunks disagree with each other (e.g. a metric added without backfill)."""
+
+
+class InsecureBindError(TimwatchError, RuntimeError):
+    """A non-loopback bind without a write token and without ``--insecure``."""
+
+
+class ApiError(TimwatchError):
+    """An error the service answers as ``{"detail": ...}`` with a status (and a rejection reason
+    counted in ``timwatch_rejected_batches_total{reason}`` when one is given)."""
+
+    def __init__(
+        self,
+        status: int,
+        detail: str,
+        *,
+        reason: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.reason = status, detail, reason
+        self.headers, self.extra = headers or {}, extra
+
+
+class TimwatchHTTPError(TimwatchError, RuntimeError):
+    """A non-2xx answer from a timwatch server; ``status`` and the server's ``detail``."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status, self.detail = status, detail

@@ -1,0 +1,327 @@
+"""The fused numba kernel: one pass over a packed batch fills every additive accumulator.
+
+The full catalog needs ~30 reductions, 8 policies, histograms, a heatmap, length buckets and a
+top-k. In numpy each is a pass over memory plus temporaries; here the batch is walked once, in
+chunks of `_CHUNK` tokens that stay in L1:
+
+1. `_vector_phase` (SIMD): every per-token value — k3, r, probabilities, KPop's Bernoulli KLs,
+   the ESTR score, histogram bin indices — and every sum, extremum and token-policy count.
+   Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
+   loop has no branches and vectorises; sums are reassociated across lanes (float rounding
+   differs from a sequential sum at the 1e-16 level, nothing more).
+2. `core_kernel`'s walk (scalar): what cannot vectorise — sequence boundaries and sequence
+   policies, histogram scatters, the heatmap and the top-k.
+
+Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
+|δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from timwatch.monitor.core.fastmath import (
+    LOG_P_HI,
+    LOG_P_LO,
+    exp,
+    fine_index,
+    from_order_key,
+    k3_of,
+    k3_rm1_r,
+    log,
+    order_key,
+)
+from timwatch.monitor.core.layout import C, F, M
+
+__all__ = ["F", "M", "C", "core_kernel", "k3_of"]
+
+
+_CHUNK = 1024
+_BIG = 1.7976931348623157e308
+_FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf assumptions
+_C_TOKENS, _C_SEQ, _C_TOK, _C_SEQR = C.tokens, C.sequences, C.tok_reject, C.seq_reject
+_F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
+_M_SEQ_ABS_L = M.seq_abs_l
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
+    """max(D_B(p‖q), D_B(q‖p)) > φ for probabilities clamped to [1e-8, 1 − 1e-8]."""
+    pc = min(max(p, 1e-8), 1.0 - 1e-8)
+    qc = min(max(q, 1e-8), 1.0 - 1e-8)
+    lp = min(max(lp, LOG_P_LO), LOG_P_HI)
+    lq = min(max(lq, LOG_P_LO), LOG_P_HI)
+    lam = log((1.0 - pc) / (1.0 - qc))
+    return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
+
+
+@njit(cache=True, error_model="numpy")
+def _aligned_f64(n):  # type: ignore[no-untyped-def]
+    raw = np.empty(n + 8, dtype=np.float64)
+    off = ((64 - raw.ctypes.data % 64) % 64) // 8
+    return raw[off : off + n]
+
+
+@njit(cache=True, error_model="numpy")
+def _aligned_i64(n):  # type: ignore[no-untyped-def]
+    raw = np.empty(n + 8, dtype=np.int64)
+    off = ((64 - raw.ctypes.data % 64) % 64) // 8
+    return raw[off : off + n]
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+def _vector_phase(  # type: ignore[no-untyped-def]
+    x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
+    b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
+):  # fmt: skip
+    """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
+    the same shape for every chunk whatever the caller's array alignment, so the reassociated
+    sums, and therefore rows, are identical for JSON, safetensors and in-memory batches."""
+    tau, eps, dabs, ice_lo, ice_hi = params[0], params[1], params[2], params[3], params[4]
+    phi, tis_c = params[5], params[6]
+    ad_lo, ad_oct, ad_sub, ad_last = layouts[0], layouts[1], layouts[2], layouts[3]
+    s_lo, s_oct, s_sub, s_last = layouts[4], layouts[5], layouts[6], layouts[7]
+    h_lo, h_oct, h_sub, h_last = layouts[8], layouts[9], layouts[10], layouts[11]
+    s_d = s_ad = s_d2 = s_k3 = s_rm1 = s_rm1sq = s_h = s_h2 = s_d2h = s_d4 = 0.0
+    s_pd = s_sc = s_r = s_r2 = 0.0
+    k_lo, k_hi = order_key(-_BIG), order_key(_BIG)
+    k_ad = k_pd = k_hmax = k_d2max = order_key(0.0)
+    k_dmax = k_lo
+    k_dmin = k_hmin = k_d2min = k_hi
+    n_on = n_estr = n_dabs = n_ice = n_tis = n_kpop = 0
+    for j in range(n):
+        on = x_on[j] != 0
+        m0 = x_mu[j]
+        p0 = x_pi[j]
+        h0 = x_h[j]
+        m = m0 if on else -1.0
+        p = p0 if on else -1.0
+        h = h0 if on else 0.0
+        w = 1.0 if on else 0.0
+        d = p - m
+        ad = abs(d)
+        d2 = d * d
+        k3, rm1, r = k3_rm1_r(d)
+        q = exp(m)
+        pp = q + q * rm1  # e^π without a second exp; the walk redoes the rare |δ| > 20
+        near = ad <= 20.0
+        pdiff = abs(pp - q) if near else 0.0
+        score = d2 / (h + eps)
+        dc = min(max(d, -20.0), 20.0)
+        n_on += on
+        s_d += d
+        s_ad += ad
+        s_d2 += d2
+        s_k3 += k3
+        s_rm1 += rm1
+        s_rm1sq += rm1 * rm1
+        s_r += w * r
+        s_r2 += w * (r * r)
+        s_h += h
+        s_h2 += h * h
+        s_d2h += d2 * h
+        s_d4 += d2 * d2
+        s_pd += pdiff
+        s_sc += score
+        kx = order_key(ad)
+        k_ad = kx if kx > k_ad else k_ad
+        kx = order_key(pdiff)
+        k_pd = kx if kx > k_pd else k_pd
+        kd = order_key(d)
+        kx = kd if on else k_lo
+        k_dmax = kx if kx > k_dmax else k_dmax
+        kx = kd if on else k_hi
+        k_dmin = kx if kx < k_dmin else k_dmin
+        kh = order_key(h)
+        k_hmax = kh if kh > k_hmax else k_hmax
+        kx = kh if on else k_hi
+        k_hmin = kx if kx < k_hmin else k_hmin
+        kd2 = order_key(d2)
+        k_d2max = kd2 if kd2 > k_d2max else k_d2max
+        kx = kd2 if on else k_hi
+        k_d2min = kx if kx < k_d2min else k_d2min
+        n_estr += d2 > tau * (h + eps)
+        n_dabs += d2 > dabs
+        n_ice += (dc < ice_lo) | (dc > ice_hi)
+        n_tis += dc > tis_c
+        n_kpop += near & _kpop_reject(pp, q, p, m, phi)
+        b_d[j] = d
+        b_k3[j] = k3
+        b_score[j] = score
+        b_fb[j] = fine_index(ad, ad_lo, ad_oct, ad_sub, ad_last)
+        b_sb[j] = fine_index(score, s_lo, s_oct, s_sub, s_last)
+        b_hb[j] = fine_index(h, h_lo, h_oct, h_sub, h_last)
+    fsum[0] += s_d
+    fsum[1] += s_ad
+    fsum[2] += s_d2
+    fsum[3] += s_k3
+    fsum[4] += s_rm1
+    fsum[5] += s_rm1sq
+    fsum[6] += s_h
+    fsum[7] += s_h2
+    fsum[8] += s_d2h
+    fsum[9] += s_d4
+    fsum[10] += s_pd
+    fsum[11] += s_sc
+    fsum[15] += s_r
+    fsum[16] += s_r2
+    fext[0] = max(fext[0], from_order_key(k_ad))
+    fext[1] = max(fext[1], from_order_key(k_pd))
+    fext[2] = max(fext[2], from_order_key(k_dmax))
+    fext[4] = max(fext[4], from_order_key(k_hmax))
+    fext[5] = max(fext[5], from_order_key(k_d2max))
+    fext[6] = min(fext[6], from_order_key(k_dmin))
+    fext[7] = min(fext[7], from_order_key(k_hmin))
+    fext[8] = min(fext[8], from_order_key(k_d2min))
+    cnt[_C_TOKENS] += n_on
+    cnt[_C_TOK + 0] += n_estr
+    cnt[_C_TOK + 1] += n_dabs
+    cnt[_C_TOK + 2] += n_ice
+    cnt[_C_TOK + 3] += n_kpop
+    cnt[_C_TOK + 4] += n_tis
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
+    cu, mu, pi, ent, mask, params,
+    fsum, fext, cnt,
+    hist_ad, prom_ad, prom_s, heat_all, heat_rej,
+    lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+    worst_score, worst_index,
+    layouts, ad_table, ad_edges, s_table, s_edges, h_table, h_edges, hd_table, hd_edges,
+):  # fmt: skip
+    """Fill the accumulators from one packed batch (see core.accumulator for the layout)."""
+    tau, eps, phi = params[0], params[1], params[5]
+    mis_lo, mis_hi, geo_lo, geo_hi, kappa = params[7], params[8], params[9], params[10], params[11]
+    n_ad_edges = ad_edges.shape[0]
+    n_s_edges = s_edges.shape[0]
+    n_h = h_edges.shape[0]
+    n_hd = hd_edges.shape[0]
+    x_mu = _aligned_f64(_CHUNK)
+    x_pi = _aligned_f64(_CHUNK)
+    x_h = _aligned_f64(_CHUNK)
+    x_on = _aligned_i64(_CHUNK)
+    b_d = _aligned_f64(_CHUNK)
+    b_k3 = _aligned_f64(_CHUNK)
+    b_score = _aligned_f64(_CHUNK)
+    b_fb = _aligned_i64(_CHUNK)
+    b_sb = _aligned_i64(_CHUNK)
+    b_hb = _aligned_i64(_CHUNK)
+    wmin = 0
+    for i in range(worst_score.shape[0]):
+        if worst_score[i] < worst_score[wmin]:
+            wmin = i
+    n = mu.shape[0]
+    nseq = cu.shape[0] - 1
+    s = 0
+    while s < nseq and cu[s + 1] == 0:
+        s += 1
+    seq_end = cu[s + 1] if s < nseq else n
+    n_s = 0
+    big_l = 0.0
+    k3_s = 0.0
+    for c0 in range(0, n, _CHUNK):
+        c1 = min(c0 + _CHUNK, n)
+        for j in range(c1 - c0):
+            x_mu[j] = mu[c0 + j]
+            x_pi[j] = pi[c0 + j]
+            x_h[j] = ent[c0 + j]
+            x_on[j] = mask[c0 + j]
+        _vector_phase(
+            x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
+            b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
+        )  # fmt: skip
+        for t in range(c0, c1):
+            if t == seq_end:
+                if n_s > 0:
+                    _close_sequence(
+                        n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+                        mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+                    )  # fmt: skip
+                n_s = 0
+                big_l = 0.0
+                k3_s = 0.0
+                s += 1
+                while cu[s + 1] == t:
+                    s += 1
+                seq_end = cu[s + 1]
+            if mask[t] == 0:
+                continue
+            j = t - c0
+            d = b_d[j]
+            ad = abs(d)
+            n_s += 1
+            big_l += d
+            k3_s += b_k3[j]
+            if ad > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped them)
+                m = np.float64(mu[t])
+                p = np.float64(pi[t])
+                q = math.exp(m)
+                pdiff = abs(math.exp(p) - q)
+                fsum[10] += pdiff
+                fext[1] = max(fext[1], pdiff)
+                cnt[_C_TOK + 3] += _kpop_reject(math.exp(p), q, p, m, phi)
+            fb = b_fb[j]
+            hist_ad[fb] += 1
+            c = ad_table[fb]
+            c += c < n_ad_edges and ad > ad_edges[c]
+            prom_ad[c] += 1
+            score = b_score[j]
+            c = s_table[b_sb[j]]
+            c += c < n_s_edges and score > s_edges[c]
+            prom_s[c] += 1
+            h = np.float64(ent[t])
+            hc = hd_table[fb]
+            hc += hc + 1 < n_hd and ad >= hd_edges[hc + 1]
+            hr = h_table[b_hb[j]]
+            hr += hr + 1 < n_h and h >= h_edges[hr + 1]
+            heat_all[hr, hc] += 1
+            if d * d > tau * (h + eps):  # rare: a branch beats an unconditional update
+                heat_rej[hr, hc] += 1
+            if score > worst_score[wmin]:
+                worst_score[wmin] = score
+                worst_index[wmin] = t
+                for i in range(worst_score.shape[0]):
+                    if worst_score[i] < worst_score[wmin]:
+                        wmin = i
+    if n_s > 0:
+        _close_sequence(
+            n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+            mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+        )  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _close_sequence(  # type: ignore[no-untyped-def]
+    n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+    mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+):  # fmt: skip
+    """Sequence statistics, length bucket and sequence-policy decisions of one sequence."""
+    cnt[_C_SEQ] += 1
+    abs_l = abs(big_l)
+    fsum[_F_SEQ_ABS_L] += abs_l
+    fext[_M_SEQ_ABS_L] = max(fext[_M_SEQ_ABS_L], abs_l)
+    g = big_l / n_s
+    fsum[_F_SEQ_GEO] += math.exp(min(max(g, -20.0), 20.0))
+    fsum[_F_SEQ_EXP2L] += math.exp(2.0 * min(max(big_l, -20.0), 20.0))
+    b = 0
+    x = n_s
+    while x > 1:
+        x >>= 1
+        b += 1
+    lb_seqs[b] += 1
+    lb_tokens[b] += n_s
+    lb_abs_l[b] += abs_l
+    lb_k3[b] += k3_s
+    if big_l < mis_lo or big_l > mis_hi:
+        cnt[_C_TOK + 5] += n_s
+        cnt[_C_SEQR + 0] += 1
+    if g < geo_lo or g > geo_hi:
+        cnt[_C_TOK + 6] += n_s
+        cnt[_C_SEQR + 1] += 1
+    if k3_s / n_s > kappa:
+        cnt[_C_TOK + 7] += n_s
+        cnt[_C_SEQR + 2] += 1

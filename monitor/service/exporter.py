@@ -1,0 +1,192 @@
+"""Prometheus exposition (docs/reference/prometheus.md) built from the live run state on every
+scrape.
+
+A custom collector instead of module-level Gauge/Counter objects: the families are rebuilt from
+``RunRegistry`` each scrape, so evicting a run removes all of its series at once, replays can
+never double-count, and tests can run many apps in one process (each has its own registry).
+Everything exported is additive (``_sum``/``_count``, counters, cumulative buckets), so
+``sum by (run)`` across sidecars and ``rate()`` over any window stay exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from timwatch.monitor.service.runs import RunRegistry, RunState
+
+__all__ = ["CONTENT_TYPE", "TimwatchCollector", "make_registry", "render"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name, help, accumulator attribute holding the sum
+_SUMMARIES = (
+    ("timwatch_token_kl", "Per-token k3 estimate of KL(rollout||trainer), nats.", "sum_k3"),
+    (
+        "timwatch_token_log_ratio_squared",
+        "Squared per-token log-ratio delta^2.",
+        "sum_log_ratio_sq",
+    ),
+    ("timwatch_token_entropy", "Per-token entropy H, nats.", "sum_entropy"),
+    ("timwatch_token_is_ratio", "Per-token importance ratio r = exp(delta).", "sum_is_ratio"),
+    (
+        "timwatch_token_is_ratio_squared",
+        "Squared per-token importance ratio r^2.",
+        "sum_is_ratio_sq",
+    ),
+)
+_COUNTERS = (
+    ("timwatch_tokens", "Masked (loss_mask=1) tokens ingested.", "tokens"),
+    ("timwatch_sequences", "Sequences with at least one masked token ingested.", "sequences"),
+    ("timwatch_batches", "Batches ingested (replays not counted).", "batches"),
+)
+# gauge name, help, row key (None → special)
+_GAUGES = (
+    ("timwatch_mismatch_kl", "Mean k3 KL of the latest step.", "mismatch_kl"),
+    ("timwatch_is_ratio_std", "Population std of the IS ratio in the latest step.", "is_ratio_std"),
+    ("timwatch_log_ratio_abs_max", "Max |delta| in the latest step.", "log_ratio_abs_max"),
+    ("timwatch_entropy_mean", "Mean entropy (nats) in the latest step.", "entropy_mean"),
+    (
+        "timwatch_noise_scale",
+        "ESTR noise scale sum(delta^2)/sum(H+eps), latest step.",
+        "noise_scale",
+    ),
+    ("timwatch_version_lag_max", "Max policy-version lag in the latest step.", "version_lag_max"),
+    (
+        "timwatch_token_id_mismatch_ratio",
+        "Share of masked tokens whose rollout and trainer token ids differ, latest step.",
+        "token_id_mismatch_ratio",
+    ),
+)
+
+
+def _num(v: Any) -> float | None:
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _buckets(edges: Iterable[tuple[float, int]]) -> list[tuple[str, float]]:
+    return [(floatToGoString(edge), float(count)) for edge, count in edges]
+
+
+class TimwatchCollector(Collector):
+    """Builds every ``timwatch_*`` family from a ``RunRegistry`` snapshot."""
+
+    def __init__(self, runs: RunRegistry) -> None:
+        self.runs = runs
+
+    def collect(self) -> Iterator[Metric]:
+        states = self.runs.snapshot()
+        yield from self._summaries(states)
+        yield from self._counters(states)
+        yield from self._histograms(states)
+        yield from self._gauges(states)
+
+    def _summaries(self, states: list[RunState]) -> Iterator[Metric]:
+        for name, doc, attr in _SUMMARIES:
+            fam = SummaryMetricFamily(name, doc, labels=["run"])
+            for s in states:
+                fam.add_metric(
+                    [s.run], count_value=int(s.acc.tokens), sum_value=float(getattr(s.acc, attr))
+                )
+            yield fam
+
+    def _counters(self, states: list[RunState]) -> Iterator[Metric]:
+        for name, doc, attr in _COUNTERS:
+            fam = CounterMetricFamily(name, doc, labels=["run"])
+            for s in states:
+                fam.add_metric([s.run], float(getattr(s.acc, attr)))
+            yield fam
+        masked = CounterMetricFamily(
+            "timwatch_masked_tokens",
+            "Masked tokens each policy rejects (shadow evaluation of every policy).",
+            labels=["run", "policy"],
+        )
+        for s in states:
+            for policy, n in sorted(s.acc.masked_tokens.items()):
+                masked.add_metric([s.run, policy], float(n))
+        yield masked
+        rejected = CounterMetricFamily(
+            "timwatch_rejected_batches",
+            "Batches refused, by reason (validation, too_large, unauthorized, store_unavailable).",
+            labels=["reason"],
+        )
+        for reason, n in self.runs.rejected().items():
+            rejected.add_metric([reason], float(n))
+        yield rejected
+
+    def _histograms(self, states: list[RunState]) -> Iterator[Metric]:
+        abs_lr = HistogramMetricFamily(
+            "timwatch_token_abs_log_ratio", "Per-token |delta| = |logp_train - logp_rollout|.",
+            labels=["run"],
+        )  # fmt: skip
+        score = HistogramMetricFamily(
+            "timwatch_token_estr_score", "Per-token ESTR score delta^2 / (H + eps).", labels=["run"]
+        )
+        for s in states:
+            abs_lr.add_metric(
+                [s.run], _buckets(s.acc.abs_log_ratio_buckets()), float(s.acc.sum_abs_log_ratio)
+            )
+            score.add_metric(
+                [s.run], _buckets(s.acc.estr_score_buckets()), float(s.acc.sum_estr_score)
+            )
+        yield abs_lr
+        yield score
+
+    def _gauges(self, states: list[RunState]) -> Iterator[Metric]:
+        step = GaugeMetricFamily(
+            "timwatch_step", "Training step of the latest batch.", labels=["run"]
+        )
+        ts = GaugeMetricFamily(
+            "timwatch_last_batch_timestamp_seconds",
+            "Unix time the latest batch was accepted.",
+            labels=["run"],
+        )
+        for s in states:
+            step.add_metric([s.run], float(s.step))
+            ts.add_metric([s.run], s.last_batch_ts)
+        yield step
+        for name, doc, key in _GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=["run"])
+            for s in states:
+                v = _num(s.row.get(key))
+                if v is not None:
+                    fam.add_metric([s.run], v)
+            yield fam
+        mask = GaugeMetricFamily(
+            "timwatch_mask_ratio", "Share of masked tokens each policy rejects, latest step.",
+            labels=["run", "policy"],
+        )  # fmt: skip
+        for s in states:
+            for policy, v in sorted((s.row.get("mask_ratio") or {}).items()):
+                x = _num(v)
+                if x is not None:
+                    mask.add_metric([s.run, policy], x)
+        yield mask
+        yield ts
+
+
+def make_registry(runs: RunRegistry) -> CollectorRegistry:
+    """A fresh registry holding only the timwatch collector (no process/platform collectors)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TimwatchCollector(runs))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,192 @@
+"""Examples and descriptions for the OpenAPI document (kept apart so api.py stays readable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BATCH_BODY",
+    "INGEST_DESCRIPTION",
+    "INGEST_RESPONSES",
+    "MASKS_DESCRIPTION",
+    "MASKS_RESPONSES",
+    "METRICS_RESPONSES",
+    "RUNS_RESPONSES",
+    "STEP_RESPONSES",
+    "error",
+]
+
+_BATCH = {
+    "step": 12,
+    "batch_id": "run7-step12-rank0",
+    "policy_version": 12,
+    "entropy_source": "trainer",
+    "cu_seqlens": [0, 3, 5],
+    "logp_rollout": [-0.11, -2.3, -0.02, -0.7, -1.2],
+    "logp_train": [-0.12, -2.1, -0.02, -0.69, -1.25],
+    "entropy": [0.4, 1.9, 0.05, 0.8, 1.1],
+    "loss_mask": [0, 1, 1, 1, 1],
+    "versions": [12, 12, 12, 11, 12],
+}
+
+BATCH_BODY: dict[str, Any] = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "description": "packed batch as lists (docs/reference/batch.md)",
+            },
+            "example": _BATCH,
+        },
+        "application/x-safetensors": {
+            "schema": {"type": "string", "format": "binary"},
+            "description": (
+                "Named tensors (field names of docs/reference/batch.md); step, batch_id, "
+                "policy_version and entropy_source as strings in the safetensors metadata."
+            ),
+        },
+    },
+}
+
+_ROW = {
+    "step": 12,
+    "tokens": 4,
+    "sequences": 2,
+    "batches": 1,
+    "mismatch_kl": 0.0023,
+    "is_ratio_std": 0.09,
+    "mask_ratio": {"estr": 0.0, "icepop": 0.0, "tis": 0.0},
+    "policy_version": 12,
+    "entropy_source": "trainer",
+}
+
+_MASKS = {
+    "n": 5,
+    "encoding": "packbits-little-base64",
+    "data": {"estr": "Hw==", "icepop": "Hw=="},
+}
+
+
+def error(description: str, detail: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"example": {"detail": detail, **extra}}},
+    }
+
+
+INGEST_DESCRIPTION = """
+Ingest one packed batch for run `{run}` and answer its metric row.
+
+* Body: JSON (`Content-Type: application/json`) or safetensors
+  (`Content-Type: application/x-safetensors`, several times cheaper to send and parse).
+* Idempotent on `batch_id`: a replay answers the stored answer with `"replayed": true` and
+  changes nothing (history, counters). Without a `batch_id` every post counts.
+* Several batches of one step (ranks, micro-batches) merge exactly into one step row:
+  `row` is this batch's row, `step_row` the step's row so far.
+* `?masks=estr,icepop` adds keep masks: for N positions, `np.packbits(mask, bitorder="little")`
+  encoded base64 (`"encoding": "packbits-little-base64"`); decode with
+  `np.unpackbits(np.frombuffer(base64.b64decode(s), np.uint8), count=n, bitorder="little")`.
+* `?tag=key=value` (repeatable) merges tags into the run.
+"""
+
+INGEST_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The batch's row, the step's merged row, and masks when asked.",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b",
+                    "step": 12,
+                    "batch_id": "run7-step12-rank0",
+                    "replayed": False,
+                    "row": _ROW,
+                    "step_row": _ROW,
+                    "masks": _MASKS,
+                }
+            }
+        },
+    },
+    401: error("Missing or wrong bearer token (writes need TIMWATCH_TOKEN).", "unauthorized"),
+    413: error("Body over --max-body.", "body exceeds 268435456 bytes"),
+    415: error("Unsupported Content-Type.", "unsupported content type 'text/plain'"),
+    422: error(
+        "Validation failed; nothing stored.",
+        "logp_rollout[3] is NaN",
+        field="logp_rollout",
+        index=3,
+    ),
+    503: error("Store down or locked; retry after the Retry-After seconds.", "store unavailable"),
+}
+
+MASKS_DESCRIPTION = """
+Stateless mask computation: same body as ingest, policy parameters as query parameters
+(defaults: the server's). Answers bit-packed keep masks (see ingest) and stores nothing.
+"""
+
+MASKS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Keep masks, one per requested policy.",
+        "content": {"application/json": {"example": {**_MASKS, "params": {"tau": 1.6}}}},
+    },
+    422: INGEST_RESPONSES[422],
+    413: INGEST_RESPONSES[413],
+}
+
+RUNS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Known runs, most recently active first.",
+        "content": {
+            "application/json": {
+                "example": {
+                    "runs": [
+                        {
+                            "run": "grpo-7b",
+                            "first_seen": 1764400000.0,
+                            "last_seen": 1764403600.0,
+                            "last_step": 812,
+                            "steps": 813,
+                            "tags": {"model": "qwen3-8b"},
+                        }
+                    ]
+                }
+            }
+        },
+    }
+}
+
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Series by step (`format=csv`: text/csv with a `step` column first).",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b",
+                    "steps": [10, 11, 12],
+                    "series": {"mismatch_kl": [0.0021, 0.0022, 0.0023]},
+                }
+            },
+            "text/csv": {"example": "step,mismatch_kl\n10,0.0021\n11,0.0022\n12,0.0023\n"},
+        },
+    },
+    404: error("Unknown run.", "run 'x' not found"),
+    422: error("Unknown metric name.", "unknown metric 'foo'"),
+}
+
+STEP_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The step's merged row with its details (buckets, heatmap, worst tokens).",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b",
+                    "step": 12,
+                    "batches": 8,
+                    "updated_at": 1764403600.0,
+                    "row": _ROW,
+                }
+            }
+        },
+    },
+    404: error("Unknown run or step.", "step 12 of run 'x' not found"),
+}

@@ -1,0 +1,77 @@
+"""Service settings: one frozen object built by the CLI (or tests) and handed to ``create_app``.
+
+Secrets come from the environment (``TIMWATCH_TOKEN``, ``TIMWATCH_READ_TOKEN``) so they stay out
+of process listings; command-line flags override them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from timwatch.monitor.core.masks import PolicyParams
+
+__all__ = [
+    "DEFAULT_DB_URL",
+    "DEFAULT_MAX_BODY",
+    "DEFAULT_RUN_TTL",
+    "Settings",
+    "is_loopback",
+]
+
+DEFAULT_DB_URL = "sqlite:///./timwatch.db"
+DEFAULT_MAX_BODY = 256 * 1024 * 1024
+DEFAULT_RUN_TTL = 3600.0
+
+
+def _default_params() -> PolicyParams:
+    from timwatch.monitor.core.masks import PolicyParams
+
+    return PolicyParams()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``create_app`` needs; defaults match ``timwatch serve`` without flags."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db_url: str = DEFAULT_DB_URL
+    token: str | None = None
+    read_token: str | None = None
+    max_body: int = DEFAULT_MAX_BODY
+    run_ttl: float = DEFAULT_RUN_TTL
+    nonfinite: Literal["refuse", "drop"] = "refuse"
+    params: PolicyParams = field(default_factory=_default_params)
+    insecure: bool = False
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        """Settings with tokens read from the environment unless given explicitly."""
+        values: dict[str, object] = {
+            "token": os.environ.get("TIMWATCH_TOKEN") or None,
+            "read_token": os.environ.get("TIMWATCH_READ_TOKEN") or None,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def writes_protected(self) -> bool:
+        return bool(self.token)
+
+    @property
+    def reads_protected(self) -> bool:
+        return bool(self.read_token)
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, ``localhost``)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

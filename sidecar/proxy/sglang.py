@@ -1,0 +1,366 @@
+"""Reverse proxy in front of SGLang that captures μ for every finished sample.
+
+Clients (slime, verl's SGLang rollout, any HTTP caller) point at the proxy instead of SGLang.
+``/generate`` is rewritten so SGLang also returns what the sidecar needs (log-probs, top-k,
+prompt ids; see `proxy.sglang_wire`), the answer is recorded, and what the proxy added is
+removed again so the client gets the keys and values SGLang would have sent it. Every other
+path is forwarded byte for byte, streamed both ways. Upstream errors pass back unchanged
+(status, headers, body). The proxy keeps no per-request state beyond the stream it is relaying.
+
+Read-only debug endpoints live under ``/timwatch/`` (SGLang has no such prefix):
+``/timwatch/records`` (held records and counters), ``/timwatch/probes`` (recent probe results,
+prober counters and, with `proxy.probe_forward`, the forwarder's), ``/timwatch/healthz``.
+Trainer reports and the forwarding of probes to the monitor are installed on top by
+`proxy.join_http.install_join` and `proxy.probe_forward.install_probe_forward`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from timwatch.sidecar.proxy.capture import CaptureStore
+from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink
+from timwatch.sidecar.proxy.sglang_wire import (
+    RequestPlan,
+    SampleState,
+    WireError,
+    dumps,
+    is_finished,
+    loads,
+    outputs_of,
+    plan_request,
+)
+
+__all__ = ["create_app", "ProxyState"]
+
+log = logging.getLogger(__name__)
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+    }
+)
+# uvicorn writes its own; forwarding the upstream's would duplicate them.
+_RESPONSE_DROP = _HOP_BY_HOP | {"date", "server"}
+
+
+class ProxyState:
+    """Everything one proxy instance holds: upstream client, capture store, prober, counters."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        monitor: str | None,
+        topk: int | None,
+        probe_rate: float,
+        vocab_size: int | None,
+        capture: CaptureStore,
+        timeout_s: float | None,
+    ) -> None:
+        if topk is not None and topk <= 0:
+            raise ValueError(f"topk must be a positive integer, got {topk}")
+        self.upstream = upstream.rstrip("/")
+        self.monitor = monitor
+        self.topk = topk
+        self.probe_rate = probe_rate
+        self.vocab_size = vocab_size
+        self.capture = capture
+        self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s or 10.0, 10.0))
+        self.client: httpx.AsyncClient | None = None
+        self.prober: Prober | None = None
+        self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
+        self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError("proxy client not started (lifespan not run)")
+        return self.client
+
+    def commit(self, state: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int) -> None:
+        prompts = plan.client_input_ids
+        fallback = prompts[plan.prompt_index(idx)] if prompts else None
+        record = state.record(
+            out["meta_info"], fallback_prompt=fallback, vocab_size=self.vocab_size
+        )
+        self.capture.add(record)
+        if self.prober is not None:
+            self.prober.maybe_probe(record)
+
+
+def _request_headers(request: Request, *, identity: bool) -> dict[str, str]:
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+    if identity:
+        # The proxy parses /generate answers, so ask for them uncompressed.
+        headers.pop("accept-encoding", None)
+        headers.pop("content-length", None)
+    return headers
+
+
+def _response_headers(resp: httpx.Response, *, keep_length: bool) -> dict[str, str]:
+    drop = _RESPONSE_DROP if keep_length else _RESPONSE_DROP | {"content-length"}
+    return {k: v for k, v in resp.headers.items() if k.lower() not in drop}
+
+
+def _target(state: ProxyState, request: Request, path: str) -> str:
+    query = request.url.query
+    return f"{state.upstream}{path}" + (f"?{query}" if query else "")
+
+
+def _gateway_error(exc: httpx.HTTPError, upstream: str) -> Response:
+    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+    message = f"timwatch sidecar: upstream {upstream} failed: {type(exc).__name__}: {exc}"
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def _relay(state: ProxyState, request: Request, content: Any, path: str) -> Response:
+    """Forward one request untouched and stream the upstream's answer back untouched."""
+    client = state.http()
+    req = client.build_request(
+        request.method,
+        _target(state, request, path),
+        headers=_request_headers(request, identity=False),
+        content=content,
+    )
+    try:
+        resp = await client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        state.counters["upstream_errors"] += 1
+        return _gateway_error(exc, state.upstream)
+    return StreamingResponse(
+        resp.aiter_raw(),
+        status_code=resp.status_code,
+        headers=_response_headers(resp, keep_length=True),
+        background=BackgroundTask(resp.aclose),
+    )
+
+
+async def _passthrough(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    return await _relay(state, request, request.stream(), request.url.path)
+
+
+async def _generate(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    state.counters["requests"] += 1
+    raw = await request.body()
+    try:
+        body = loads(raw)
+    except ValueError:
+        body = None
+    plan = plan_request(body, state.topk)
+    if plan is None:
+        return await _relay(state, request, raw, request.url.path)
+    client = state.http()
+    req = client.build_request(
+        request.method,
+        _target(state, request, request.url.path),
+        headers=_request_headers(request, identity=True),
+        content=dumps(plan.body) if plan.changed else raw,
+    )
+    try:
+        resp = await client.send(req, stream=True)
+    except httpx.HTTPError as exc:
+        state.counters["upstream_errors"] += 1
+        return _gateway_error(exc, state.upstream)
+    if resp.status_code != 200:
+        state.counters["upstream_errors"] += 1
+        return StreamingResponse(
+            resp.aiter_raw(),
+            status_code=resp.status_code,
+            headers=_response_headers(resp, keep_length=True),
+            background=BackgroundTask(resp.aclose),
+        )
+    if plan.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+        return StreamingResponse(
+            _relay_stream(state, plan, resp),
+            status_code=resp.status_code,
+            headers=_response_headers(resp, keep_length=False),
+        )
+    try:
+        content = await resp.aread()
+    finally:
+        await resp.aclose()
+    return Response(
+        _answer(state, plan, content),
+        status_code=resp.status_code,
+        headers=_response_headers(resp, keep_length=False),
+    )
+
+
+def _answer(state: ProxyState, plan: RequestPlan, content: bytes) -> bytes:
+    """Capture every finished sample of a non-streamed answer; return the client's bytes."""
+    try:
+        answer = loads(content)
+        outputs = outputs_of(answer)
+    except ValueError as exc:
+        state.counters["wire_errors"] += 1
+        log.warning("unparseable /generate answer passed through: %s", exc)
+        return content
+    for idx, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            continue
+        try:
+            if is_finished(out):
+                sample = SampleState()
+                sample.feed(out, stream=False)
+                state.commit(sample, out, plan, idx)
+        except (WireError, ValueError) as exc:
+            state.counters["wire_errors"] += 1
+            log.warning("answer %d not captured: %s", idx, exc)
+        plan.restore(out, idx)
+    return dumps(answer) if plan.changed else content
+
+
+async def _relay_stream(
+    state: ProxyState, plan: RequestPlan, resp: httpx.Response
+) -> AsyncIterator[bytes]:
+    samples: dict[int, SampleState] = {}
+    buf = b""
+    try:
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            while True:
+                cut = buf.find(b"\n\n")
+                if cut < 0:
+                    break
+                frame, buf = buf[: cut + 2], buf[cut + 2 :]
+                yield _frame(state, plan, samples, frame)
+        if buf:
+            yield buf
+    finally:
+        await resp.aclose()
+
+
+def _frame(
+    state: ProxyState, plan: RequestPlan, samples: dict[int, SampleState], frame: bytes
+) -> bytes:
+    if not frame.startswith(b"data: "):
+        return frame
+    payload = frame[6:-2]
+    if payload == b"[DONE]":
+        return frame
+    try:
+        out = loads(payload)
+    except ValueError:
+        return frame
+    if not isinstance(out, dict) or "meta_info" not in out:
+        return frame  # SGLang's in-stream {"error": ...} object
+    idx = out.get("index", 0)
+    idx = idx if isinstance(idx, int) else 0
+    try:
+        sample = samples.setdefault(idx, SampleState())
+        sample.offer(out)
+        if is_finished(out):
+            state.commit(samples.pop(idx), out, plan, idx)
+    except (WireError, ValueError) as exc:
+        state.counters["wire_errors"] += 1
+        samples.pop(idx, None)
+        log.warning("stream sample %d not captured: %s", idx, exc)
+    if not plan.changed:
+        return frame
+    plan.restore(out, idx)
+    return b"data: " + dumps(out) + b"\n\n"
+
+
+async def _records(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    records = [r.to_dict() for r in state.capture.snapshot()]
+    return JSONResponse(
+        {
+            "records": records,
+            "capture": state.capture.counters.to_dict(),
+            "proxy": dict(state.counters),
+        }
+    )
+
+
+async def _probes(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    prober = state.prober
+    return JSONResponse(
+        {
+            "rate": state.probe_rate,
+            "results": [r.to_dict() for r in prober.results()] if prober else [],
+            "counters": dict(prober.counters) if prober else {},
+            "forward": state.probe_sink.stats() if state.probe_sink else None,
+        }
+    )
+
+
+async def _healthz(request: Request) -> Response:
+    return JSONResponse({"ok": True})
+
+
+_ALL = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+
+
+def create_app(
+    upstream: str,
+    monitor: str | None = None,
+    topk: int | None = None,
+    probe_rate: float = 0.0,
+    *,
+    vocab_size: int | None = None,
+    capture: CaptureStore | None = None,
+    timeout_s: float | None = None,
+    ttl_s: float = 900.0,
+) -> Starlette:
+    """Build the proxy app. ``timeout_s=None`` waits as long as the client does, so the
+    client's own timeout decides; ``vocab_size`` enables the top-k tail bound."""
+    state = ProxyState(
+        upstream,
+        monitor=monitor,
+        topk=topk,
+        probe_rate=probe_rate,
+        vocab_size=vocab_size,
+        capture=capture if capture is not None else CaptureStore(ttl_s=ttl_s),
+        timeout_s=timeout_s,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
+            state.client = client
+            if probe_rate > 0.0:
+                state.prober = Prober(
+                    client,
+                    state.upstream,
+                    probe_rate,
+                    topk=topk or DEFAULT_PROBE_TOPK,
+                    sink=state.probe_sink,
+                )
+            yield
+            if state.prober is not None:
+                await state.prober.drain()
+            state.client = None
+
+    routes = [
+        Route("/timwatch/records", _records, methods=["GET"]),
+        Route("/timwatch/probes", _probes, methods=["GET"]),
+        Route("/timwatch/healthz", _healthz, methods=["GET"]),
+        Route("/generate", _generate, methods=["POST", "PUT"]),
+        Route("/{path:path}", _passthrough, methods=_ALL),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.proxy = state
+    return app

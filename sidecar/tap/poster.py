@@ -1,0 +1,61 @@
+"""The tap's HTTP client: one keep-alive connection from the shipper thread, on the standard
+library only, so that importing the tap costs a trainer almost nothing (httpx alone takes
+~0.15 s and pulls in its own CLI's dependencies when they are installed)."""
+
+from __future__ import annotations
+
+import http.client
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = ["Answer", "Poster"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    text: str
+
+
+class Poster:
+    """POSTs to one server over a persistent connection, reopened after any error. Not
+    thread-safe: one shipper thread owns it. Network errors raise `OSError` (``http.client``'s
+    errors derive from it or are converted)."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], timeout: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http(s)://host[:port], got {base_url!r}")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        self._prefix = parts.path.rstrip("/")
+        self._headers = headers
+        self._timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=self._timeout)
+        return self._conn
+
+    def post(self, path: str, body: bytes) -> Answer:
+        conn = self._connection()
+        try:
+            conn.request("POST", self._prefix + path, body=body, headers=self._headers)
+            resp = conn.getresponse()
+            text = resp.read().decode("utf-8", "replace")
+        except (OSError, http.client.HTTPException) as exc:
+            self.close()
+            if isinstance(exc, OSError):
+                raise
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        if resp.will_close:
+            self.close()
+        return Answer(resp.status, {k.lower(): v for k, v in resp.getheaders()}, text)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

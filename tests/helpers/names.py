@@ -1,0 +1,39 @@
+"""The exported metric families, written out once for the tests (independently of the exporter,
+the dashboards generator and the rules, which they check)."""
+
+from __future__ import annotations
+
+COUNTERS = [
+    "timwatch_tokens_total",
+    "timwatch_sequences_total",
+    "timwatch_batches_total",
+    "timwatch_masked_tokens_total",
+    "timwatch_rejected_batches_total",
+]
+SUMMARIES = [
+    "timwatch_token_kl",
+    "timwatch_token_log_ratio_squared",
+    "timwatch_token_entropy",
+    "timwatch_token_is_ratio",
+    "timwatch_token_is_ratio_squared",
+]
+HISTOGRAMS = ["timwatch_token_abs_log_ratio", "timwatch_token_estr_score"]
+GAUGES = [
+    "timwatch_step",
+    "timwatch_mismatch_kl",
+    "timwatch_is_ratio_std",
+    "timwatch_log_ratio_abs_max",
+    "timwatch_mask_ratio",
+    "timwatch_entropy_mean",
+    "timwatch_noise_scale",
+    "timwatch_version_lag_max",
+    "timwatch_token_id_mismatch_ratio",
+    "timwatch_last_batch_timestamp_seconds",
+]
+# every exposed series name -> its metric family (summaries and histograms expand)
+FAMILY_OF = (
+    {c: c for c in COUNTERS + GAUGES}
+    | {f"{s}{suffix}": s for s in SUMMARIES for suffix in ("_sum", "_count")}
+    | {f"{h}{suffix}": h for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+)
+EXPORTED_SERIES = frozenset(FAMILY_OF)

@@ -1,0 +1,125 @@
+"""Processes the tests start: free ports, a generic runner that waits for readiness, and
+``timwatch serve`` subprocesses (`ServerProc`) with their log, kill -9 and clients."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["REPO", "ServerProc", "free_port", "running_process", "server_env"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def running_process(args: list[str], ready_url: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`python ARGS` from the repo root (the repo importable), up once `ready_url` answers
+    200; terminated (then killed) on exit."""
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"{args[:2]} exited with {proc.returncode}"
+            try:
+                if httpx.get(ready_url, timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{ready_url} never came up"
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class ServerProc:
+    """A running ``timwatch serve`` subprocess."""
+
+    db: str
+    port: int
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    token: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> ServerProc:
+        cmd = [
+            sys.executable, "-m", "timwatch", "serve",
+            "--host", "127.0.0.1", "--port", str(self.port), "--db", self.db,
+            "--log-level", "warning", *self.args,
+        ]  # fmt: skip
+        out = self.log.open("ab")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=out, stderr=out)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not come up:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        tok = token if token is not None else self.token
+        headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60.0)
+
+
+def server_env(extra: dict[str, str] | None) -> dict[str, str]:
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TIMWATCH_TOKEN", "TIMWATCH_READ_TOKEN")
+    }
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra or {})
+    return env

@@ -1,0 +1,52 @@
+"""The ``timwatch`` program: one typer app that mounts the commands of the monitor and of the
+sidecar. It lives above both packages, so neither imports the other's commands; every heavy
+module (numba, FastAPI, torch) is imported by the command that needs it, when it runs.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from timwatch.monitor.cli.analyze import analyze
+from timwatch.monitor.cli.dashboards import dashboards_app
+from timwatch.monitor.cli.history import history_app
+from timwatch.monitor.cli.serve import serve
+from timwatch.monitor.core.version import __version__
+from timwatch.sidecar.cli import sidecar_app
+from timwatch.sidecar.demo.run import demo
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="timwatch",
+    help="Train–inference mismatch monitoring for LLM RL.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"timwatch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Train–inference mismatch monitoring for LLM RL."""
+
+
+app.command("demo")(demo)
+app.command("serve")(serve)
+app.command("analyze")(analyze)
+app.registered_commands.extend(history_app.registered_commands)
+app.add_typer(dashboards_app, name="dashboards", help="Grafana dashboards.")
+app.add_typer(sidecar_app, name="sidecar", help="Collectors in front of rollout engines.")
+
+
+def main() -> None:
+    app()
