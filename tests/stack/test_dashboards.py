@@ -135,7 +135,7 @@ def test_queries_use_only_spec_metrics_and_cover_all_of_them(
                     )
                     used_families.add(FAMILY_OF[name])
                 # Every selector is filtered by the run variable, except the service-wide
-                # rejection counter, which has no run label (monitor/exporter.py).
+                # rejection counter, which has no run label (monitor/service/exporter.py).
                 for name, sel in re.findall(r"\b(timwatch_\w+)(\{[^}]*\})?", t["expr"]):
                     if name == "timwatch_rejected_batches_total":
                         assert "run" not in sel, t["expr"]

@@ -2,7 +2,7 @@
 input-side lists, see ``tests/helpers/fake_sglang.py``), packing and the forwarder's batching rules.
 
 The end-to-end path (real proxy command, stand-in SGLang, real monitor) is in
-``tests/test_e2e_sidecar.py``; these are the units, each checked against hand-built values.
+``tests/stack/test_e2e_sidecar.py``; these are the units, each checked against hand-built values.
 """
 
 from __future__ import annotations
