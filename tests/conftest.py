@@ -1,9 +1,13 @@
-"""Fixtures shared by every tier: ``timwatch serve`` subprocesses and a real PostgreSQL.
+"""Fixtures shared by every tier: the app in process, ``timwatch serve`` subprocesses and a real
+PostgreSQL.
 
-Servers run as ``python -m timwatch serve`` subprocesses on free 127.0.0.1 ports
-(`tests.helpers.procs`). PostgreSQL comes from ``TIMWATCH_TEST_PG_URL`` (``.ci/start-postgres.sh``
-prints one); each test that asks for it gets a fresh database. With ``CI`` or
-``TIMWATCH_REQUIRE_PG`` set, a missing PostgreSQL fails the test instead of skipping it.
+API tests talk to the app in this process (`app_factory`, `app`: `tests.helpers.inproc`) on a real
+store. What needs a process uses ``python -m timwatch serve`` subprocesses on free 127.0.0.1 ports
+(`tests.helpers.procs`): the session's `shared_server` (tests that share it use `fresh_run` ids),
+or `server_factory` for one with its own database or flags. PostgreSQL comes from
+``TIMWATCH_TEST_PG_URL`` (``.ci/start-postgres.sh`` prints one); each test that asks for it gets a
+fresh database. With ``CI`` or ``TIMWATCH_REQUIRE_PG`` set, a missing PostgreSQL fails the test
+instead of skipping it.
 """
 
 from __future__ import annotations
@@ -11,11 +15,16 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.helpers.procs import ServerProc, free_port, server_env
+from tests.helpers.procs import ServerProc, free_port, server_env, shared_server_proc
+
+if TYPE_CHECKING:  # the app's modules load on first use, not for every test session
+    from tests.helpers.inproc import InProcessApp
 
 
 @pytest.fixture
@@ -51,6 +60,48 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
 def server(server_factory: Callable[..., ServerProc]) -> ServerProc:
     """One server on a fresh SQLite file, writes open."""
     return server_factory()
+
+
+@pytest.fixture(scope="session")
+def _shared_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    srv = shared_server_proc(tmp_path_factory.mktemp("shared-server"))
+    yield srv.start()
+    srv.stop()
+
+
+@pytest.fixture
+def shared_server(_shared_server_session: ServerProc) -> ServerProc:
+    """The one server process of the session (`tests.helpers.procs.shared_server_proc`), started
+    on first use and again if a test left it dead. Its data outlives the test: use `fresh_run`."""
+    srv = _shared_server_session
+    if srv.proc is None or srv.proc.poll() is not None:
+        srv.start()
+    return srv
+
+
+@pytest.fixture
+def app_factory(tmp_path: Path) -> Iterator[Callable[..., InProcessApp]]:
+    """In-process apps: ``app_factory(db=None, **settings)``, by default on a fresh SQLite file;
+    each one's lifespan ends (closing its store) when the test does."""
+    from tests.helpers.inproc import in_process
+    from timwatch.monitor import Settings
+
+    with ExitStack() as stack:
+        made = 0
+
+        def make(db: str | None = None, **settings: Any) -> InProcessApp:
+            nonlocal made
+            db = db or f"sqlite:///{tmp_path / f'app-{made}.db'}"
+            made += 1
+            return stack.enter_context(in_process(Settings(db_url=db, **settings)))
+
+        yield make
+
+
+@pytest.fixture
+def app(app_factory: Callable[..., InProcessApp]) -> InProcessApp:
+    """An in-process app on a fresh SQLite file, no tokens: ``with app.client() as c``."""
+    return app_factory()
 
 
 def _pg_base_url() -> str | None:

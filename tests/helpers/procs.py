@@ -1,5 +1,6 @@
 """Processes the tests start: free ports, a generic runner that waits for readiness, and
-``timwatch serve`` subprocesses (`ServerProc`) with their log, kill -9 and clients."""
+``timwatch serve`` subprocesses (`ServerProc`) with their log, kill -9 and clients, among them the
+one server a test session shares (`shared_server_proc`)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,26 @@ from typing import Any
 
 import httpx
 
-__all__ = ["REPO", "ServerProc", "free_port", "running_process", "server_env"]
+__all__ = [
+    "REPO",
+    "SHARED_MAX_BODY",
+    "SHARED_READ_TOKEN",
+    "SHARED_TOKEN",
+    "ServerProc",
+    "free_port",
+    "running_process",
+    "server_env",
+    "shared_server_proc",
+]
 
 REPO = Path(__file__).resolve().parents[2]
+
+# The shared server protects writes and reads (tokens from the environment, as deployed) and
+# refuses bodies over 32 KiB: every batch the sharing tests send is below it, except the one
+# the body-limit test sends on purpose.
+SHARED_TOKEN = "shared-write-token"
+SHARED_READ_TOKEN = "shared-read-token"
+SHARED_MAX_BODY = 32 * 1024
 
 
 def free_port() -> int:
@@ -123,3 +141,17 @@ def server_env(extra: dict[str, str] | None) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
+
+
+def shared_server_proc(directory: Path) -> ServerProc:
+    """The session's shared server (not started): SQLite in `directory`, ``TIMWATCH_TOKEN`` =
+    `SHARED_TOKEN`, ``TIMWATCH_READ_TOKEN`` = `SHARED_READ_TOKEN`, ``--max-body``
+    `SHARED_MAX_BODY`. Its `client()` carries the write token, which also reads."""
+    return ServerProc(
+        db=f"sqlite:///{directory / 'shared.db'}",
+        port=free_port(),
+        args=["--max-body", str(SHARED_MAX_BODY)],
+        env=server_env({"TIMWATCH_TOKEN": SHARED_TOKEN, "TIMWATCH_READ_TOKEN": SHARED_READ_TOKEN}),
+        log=directory / "shared-server.log",
+        token=SHARED_TOKEN,
+    )

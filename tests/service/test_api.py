@@ -1,71 +1,39 @@
-"""The HTTP API over a real uvicorn server process (docs/reference/api.md)."""
+"""The HTTP API (docs/reference/api.md): in process on a real store (SQLite file, PostgreSQL
+where the test is about it); what needs a process (bytes over a real socket, tokens from the
+environment, the CLI against a URL) on the session's shared ``timwatch serve``."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import numpy as np
 import pytest
 
-from tests.helpers.batches import RawBatch, random_batch, split_at
-from tests.helpers.procs import REPO, ServerProc
+from tests.helpers.batches import split_at
+from tests.helpers.inproc import InProcessApp
+from tests.helpers.procs import REPO, SHARED_MAX_BODY, SHARED_READ_TOKEN, SHARED_TOKEN, ServerProc
+from tests.helpers.wire import SAFETENSORS, as_batch, counters, fresh_run, norm, post, raw_batch
 from timwatch.monitor.client import TimwatchClient, decode_masks
-from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.jsoncodec import dumps, loads
 from timwatch.monitor.core.masks import POLICIES, PolicyParams, keep_masks
 from timwatch.monitor.core.row import derive_row
 
-SAFETENSORS = {"Content-Type": "application/x-safetensors"}
+AppFactory = Callable[..., InProcessApp]
 
 
-def norm(obj: Any) -> Any:
-    """What a dict looks like after one trip through the wire."""
-    return loads(dumps(obj))
-
-
-def raw_batch(seed: int, *, step: int = 1, batch_id: str | None = "b", n_seq: int = 12) -> RawBatch:
-    raw = random_batch(np.random.default_rng(seed), n_seq=n_seq, optional="all")
-    return dataclasses.replace(raw, step=step, batch_id=batch_id)
-
-
-def as_batch(raw: RawBatch) -> Batch:
-    return Batch.from_arrays(**raw.from_arrays_kwargs())
-
-
-def post(c: httpx.Client, run: str, raw: RawBatch, fmt: str = "json", **params: Any) -> Any:
-    if fmt == "json":
-        return c.post(f"/v1/runs/{run}/batches", content=dumps(raw.to_json_obj()), params=params)
-    return c.post(
-        f"/v1/runs/{run}/batches",
-        content=raw.to_safetensors_bytes(),
-        params=params,
-        headers=SAFETENSORS,
-    )
-
-
-def counters(text: str) -> dict[str, float]:
-    """Sample name + labels → value of a text exposition."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
-
-
-def test_json_and_safetensors_rows_are_identical_and_equal_the_engine(server: ServerProc) -> None:
+def test_json_and_safetensors_rows_are_identical_and_equal_the_engine(app: InProcessApp) -> None:
     raw = raw_batch(1, step=7, batch_id=None)
     expected = norm(derive_row(accumulate(as_batch(raw))).to_dict())
-    with server.client() as c:
+    with app.client() as c:
         rj = post(c, "json-run", raw, "json")
         rs = post(c, "st-run", raw, "safetensors")
     assert rj.status_code == 200, rj.text
@@ -77,7 +45,7 @@ def test_json_and_safetensors_rows_are_identical_and_equal_the_engine(server: Se
     assert (aj["run"], aj["step"], aj["replayed"]) == ("json-run", 7, False)
 
 
-def test_answer_equals_timwatch_analyze_json(server: ServerProc, tmp_path: Any) -> None:
+def test_answer_equals_timwatch_analyze_json(app: InProcessApp, tmp_path: Path) -> None:
     raw = raw_batch(2, step=3)
     path = tmp_path / "batch.safetensors"
     path.write_bytes(raw.to_safetensors_bytes())
@@ -87,13 +55,13 @@ def test_answer_equals_timwatch_analyze_json(server: ServerProc, tmp_path: Any) 
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    with server.client() as c:
+    with app.client() as c:
         r = post(c, "analyze-run", raw, "safetensors")
     assert r.status_code == 200, r.text
     assert r.json()["row"] == norm(loads(proc.stdout))
 
 
-def test_two_half_batches_combine_to_the_step_row(server: ServerProc) -> None:
+def test_two_half_batches_combine_to_the_step_row(app: InProcessApp) -> None:
     raw = raw_batch(3, step=11, n_seq=16)
     cu = raw.arrays["cu_seqlens"]
     k = next(k for k in range(8, raw.num_sequences) if 0 < cu[k] < raw.num_tokens)
@@ -103,7 +71,7 @@ def test_two_half_batches_combine_to_the_step_row(server: ServerProc) -> None:
     acc_a, acc_b = accumulate(as_batch(a)), accumulate(as_batch(b))
     merged = norm(derive_row(acc_a.merge(acc_b)).to_dict())
     whole = norm(derive_row(accumulate(as_batch(raw))).to_dict())
-    with server.client() as c:
+    with app.client() as c:
         ra = post(c, "halves", a, "safetensors")
         rb = post(c, "halves", b, "json")
         step = c.get("/v1/runs/halves/steps/11").json()
@@ -119,9 +87,9 @@ def test_two_half_batches_combine_to_the_step_row(server: ServerProc) -> None:
     assert merged["batches"] == 2
 
 
-def test_replay_is_idempotent_and_leaves_counters(server: ServerProc) -> None:
+def test_replay_is_idempotent_and_leaves_counters(app: InProcessApp) -> None:
     raw = raw_batch(4, step=2, batch_id="once")
-    with server.client() as c:
+    with app.client() as c:
         first = post(c, "replay", raw, "safetensors")
         before = counters(c.get("/metrics").text)
         again = post(c, "replay", raw, "json")
@@ -140,8 +108,8 @@ def test_replay_is_idempotent_and_leaves_counters(server: ServerProc) -> None:
     )
 
 
-def test_out_of_order_steps(server: ServerProc) -> None:
-    with server.client() as c:
+def test_out_of_order_steps(app: InProcessApp) -> None:
+    with app.client() as c:
         for step in (5, 3, 9, 4):
             assert post(c, "ooo", raw_batch(10 + step, step=step, batch_id=None)).status_code == 200
         q = c.get("/v1/runs/ooo/metrics", params={"names": "tokens,mismatch_kl"}).json()
@@ -158,11 +126,11 @@ def test_out_of_order_steps(server: ServerProc) -> None:
     assert [r["steps"] for r in runs if r["run"] == "ooo"] == [4]
 
 
-def test_invalid_batch_is_refused_whole_and_server_stays_up(server: ServerProc) -> None:
+def test_invalid_batch_is_refused_whole_and_server_stays_up(app: InProcessApp) -> None:
     raw = raw_batch(5, step=1)
     obj = raw.to_json_obj()
     obj["logp_rollout"][3] = float("nan")
-    with server.client() as c:
+    with app.client() as c:
         r = c.post("/v1/runs/bad/batches", content=json.dumps(obj))  # writes NaN literally
         r2 = c.post("/v1/runs/bad/batches", content=b"{not json")
         arrays = raw.arrays | {"entropy": -raw.arrays["entropy"] - 1.0}
@@ -181,31 +149,38 @@ def test_invalid_batch_is_refused_whole_and_server_stays_up(server: ServerProc) 
     assert ok.status_code == 200
 
 
-def test_body_limit_413(server_factory: Any) -> None:
-    srv = server_factory(args=["--max-body", "4096"])
-    raw = raw_batch(6, n_seq=24)
-    body = raw.to_safetensors_bytes()
-    assert len(body) > 4096
+TOO_LARGE = "timwatch_rejected_batches_total{reason=too_large}"
 
-    def chunks() -> Any:  # no Content-Length: the streamed size must be checked too
+
+def test_body_limit_413(shared_server: ServerProc) -> None:
+    """Over a real socket: refused on Content-Length and on the streamed size alike."""
+    raw = raw_batch(6, n_seq=32)
+    body = raw.to_safetensors_bytes()
+    assert len(body) > SHARED_MAX_BODY
+    big, small_run = fresh_run("big"), fresh_run("small")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the streamed size must be checked too
         for i in range(0, len(body), 1000):
             yield body[i : i + 1000]
 
-    with srv.client() as c:
-        r1 = c.post("/v1/runs/big/batches", content=body, headers=SAFETENSORS)
-        r2 = c.post("/v1/runs/big/batches", content=chunks(), headers=SAFETENSORS)
+    with shared_server.client() as c:
+        before = counters(c.get("/metrics").text)[TOO_LARGE]  # the server outlives this test
+        r1 = c.post(f"/v1/runs/{big}/batches", content=body, headers=SAFETENSORS)
+        r2 = c.post(f"/v1/runs/{big}/batches", content=chunks(), headers=SAFETENSORS)
         expo = counters(c.get("/metrics").text)
         small = raw_batch(7, n_seq=1)
-        r3 = post(c, "small", small, "safetensors")
+        r3 = post(c, small_run, small, "safetensors")
     assert r1.status_code == 413 and r2.status_code == 413
-    assert expo["timwatch_rejected_batches_total{reason=too_large}"] == 2
-    assert r3.status_code == 200 or len(small.to_safetensors_bytes()) > 4096
+    assert expo[TOO_LARGE] - before == 2
+    assert r3.status_code == 200 or len(small.to_safetensors_bytes()) > SHARED_MAX_BODY
 
 
-def test_auth_on_writes_and_optional_on_reads(server_factory: Any) -> None:
-    srv = server_factory(env={"TIMWATCH_TOKEN": "s3cret"}, token="s3cret")
+def test_auth_on_writes_and_optional_on_reads(
+    app_factory: AppFactory, shared_server: ServerProc
+) -> None:
     raw = raw_batch(8)
-    with srv.client(token="") as anon, srv.client(token="wrong") as wrong, srv.client() as ok:
+    srv = app_factory(token="s3cret")
+    with srv.client() as anon, srv.client(token="wrong") as wrong, srv.client("s3cret") as ok:
         assert post(anon, "auth", raw).status_code == 401
         assert post(wrong, "auth", raw).status_code == 401
         assert anon.post("/v1/masks", content=dumps(raw.to_json_obj())).status_code == 401
@@ -215,31 +190,33 @@ def test_auth_on_writes_and_optional_on_reads(server_factory: Any) -> None:
         expo = counters(anon.get("/metrics").text)
     assert expo["timwatch_rejected_batches_total{reason=unauthorized}"] == 2
 
-    srv2 = server_factory(env={"TIMWATCH_TOKEN": "w", "TIMWATCH_READ_TOKEN": "r"}, token="w")
-    with srv2.client(token="") as anon, srv2.client(token="r") as reader:
+    # a process: `timwatch serve` takes both tokens from TIMWATCH_TOKEN / TIMWATCH_READ_TOKEN
+    run = fresh_run("auth")
+    srv2 = shared_server
+    with srv2.client(token="") as anon, srv2.client(token=SHARED_READ_TOKEN) as reader:
         assert anon.get("/v1/runs").status_code == 401
         assert anon.get("/metrics").status_code == 401
         assert anon.get("/healthz").status_code == 200
         assert reader.get("/v1/runs").status_code == 200
         assert reader.get("/metrics").status_code == 200
-        assert post(reader, "auth", raw).status_code == 401  # a read token cannot write
+        assert post(reader, run, raw).status_code == 401  # a read token cannot write
 
 
 @pytest.mark.parametrize("run", ['a"b', "a\nb", "x" * 10_000, "a b", "ü", "-lead"])
-def test_hostile_run_ids_are_refused(server: ServerProc, run: str) -> None:
-    with server.client() as c:
+def test_hostile_run_ids_are_refused(app: InProcessApp, run: str) -> None:
+    with app.client() as c:
         r = post(c, quote(run, safe=""), raw_batch(9), "json")
         expo = c.get("/metrics")
     assert r.status_code in (404, 422), r.text
     assert run not in expo.text
 
 
-def test_masks_on_ingest_and_stateless_endpoint(server: ServerProc) -> None:
+def test_masks_on_ingest_and_stateless_endpoint(app: InProcessApp) -> None:
     raw = raw_batch(10, step=4)
     batch = as_batch(raw)
     want = keep_masks(batch, ["estr", "icepop", "seq_mis"], PolicyParams())
     tight = keep_masks(batch, list(POLICIES), PolicyParams(tau=0.05, icepop_high=1.01))
-    with server.client() as c:
+    with app.client() as c:
         r = post(c, "masked", raw, "safetensors", masks="estr,icepop,seq_mis")
         s = c.post(
             "/v1/masks",
@@ -274,10 +251,10 @@ def test_masks_on_ingest_and_stateless_endpoint(server: ServerProc) -> None:
     ],
 )
 def test_bad_policy_parameters_answer_422_naming_them(
-    server: ServerProc, params: dict[str, Any], named: str
+    app: InProcessApp, params: dict[str, Any], named: str
 ) -> None:
     raw = raw_batch(11)
-    with server.client() as c:
+    with app.client() as c:
         r = c.post("/v1/masks", content=dumps(raw.to_json_obj()), params=params)
         alive = c.get("/healthz")
     assert r.status_code == 422, r.text
@@ -285,10 +262,10 @@ def test_bad_policy_parameters_answer_422_naming_them(
     assert alive.status_code == 200
 
 
-def test_metrics_query_names_csv_and_errors(server: ServerProc) -> None:
+def test_metrics_query_names_csv_and_errors(app: InProcessApp) -> None:
     raws = [raw_batch(20 + s, step=s, batch_id=f"q{s}") for s in range(5)]
     rows = [norm(derive_row(accumulate(as_batch(r))).to_dict()) for r in raws]
-    with server.client() as c:
+    with app.client() as c:
         for r in raws:
             assert post(c, "q", r, "safetensors").status_code == 200
         names = "mismatch_kl,mask_ratio.estr,seq_reject_ratio[k3_rs],tokens,policy_version"
@@ -314,22 +291,25 @@ def test_metrics_query_names_csv_and_errors(server: ServerProc) -> None:
         assert step["row"][detail] == rows[3][detail]
 
 
-def test_locked_sqlite_answers_503_and_writes_nothing(server: ServerProc) -> None:
+def test_locked_sqlite_answers_503_and_writes_nothing(
+    app_factory: AppFactory, tmp_path: Path
+) -> None:
     import sqlite3
 
-    path = server.db.removeprefix("sqlite:///")
+    path = tmp_path / "locked.db"
+    srv = app_factory(db=f"sqlite:///{path}")
     raw = raw_batch(30, step=1, batch_id="locked")
     lock = sqlite3.connect(path, isolation_level=None)
     lock.execute("BEGIN EXCLUSIVE")
     try:
-        with server.client() as c:
+        with srv.client() as c:
             r = post(c, "lockrun", raw, "safetensors")
     finally:
         lock.execute("ROLLBACK")
         lock.close()
     assert r.status_code == 503, r.text
     assert int(r.headers["Retry-After"]) >= 1
-    with server.client() as c:
+    with srv.client() as c:
         assert c.get("/v1/runs").json()["runs"] == []
         expo = counters(c.get("/metrics").text)
         assert "timwatch_tokens_total{run=lockrun}" not in expo
@@ -338,11 +318,11 @@ def test_locked_sqlite_answers_503_and_writes_nothing(server: ServerProc) -> Non
         assert again.status_code == 200 and again.json()["replayed"] is False
 
 
-def test_postgres_down_answers_503_then_recovers(server_factory: Any, pg_url: str) -> None:
+def test_postgres_down_answers_503_then_recovers(app_factory: AppFactory, pg_url: str) -> None:
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
-    srv = server_factory(db=pg_url)
+    srv = app_factory(db=pg_url)
     name = make_url(pg_url).database
     admin = create_engine(make_url(pg_url).set(database="postgres"), isolation_level="AUTOCOMMIT")
     raw = raw_batch(31, step=2, batch_id="pgdown")
@@ -371,8 +351,9 @@ def test_postgres_down_answers_503_then_recovers(server_factory: Any, pg_url: st
     assert step["batches"] == 1
 
 
-def test_openapi_documents_every_endpoint_with_examples(server: ServerProc) -> None:
-    spec = httpx.get(f"{server.url}/openapi.json").json()
+def test_openapi_documents_every_endpoint_with_examples(app: InProcessApp) -> None:
+    with app.client() as c:
+        spec = c.get("/openapi.json").json()
     want = {
         ("post", "/v1/runs/{run}/batches"), ("post", "/v1/masks"), ("get", "/v1/runs"),
         ("get", "/v1/runs/{run}/metrics"), ("get", "/v1/runs/{run}/steps/{step}"),
@@ -388,38 +369,40 @@ def test_openapi_documents_every_endpoint_with_examples(server: ServerProc) -> N
             assert "application/x-safetensors" in body
 
 
-def test_cli_runs_query_show_report(server: ServerProc) -> None:
-    with TimwatchClient(server.url) as c:
+def test_cli_runs_query_show_report(shared_server: ServerProc) -> None:
+    run = fresh_run("cli")
+    with TimwatchClient(shared_server.url, token=SHARED_TOKEN) as c:
         for s in range(3):
-            c.ingest("cli-run", as_batch(raw_batch(40 + s, step=s, batch_id=f"c{s}")))
-        series = c.metrics("cli-run", ["mismatch_kl"])["series"]["mismatch_kl"]
+            c.ingest(run, as_batch(raw_batch(40 + s, step=s, batch_id=f"c{s}")))
+        series = c.metrics(run, ["mismatch_kl"])["series"]["mismatch_kl"]
 
     def cli(*args: str) -> str:
         p = subprocess.run(
-            [sys.executable, "-m", "timwatch", *args, "--url", server.url],
+            [sys.executable, "-m", "timwatch", *args, "--url", shared_server.url,
+             "--token", SHARED_READ_TOKEN],
             cwd=REPO, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert p.returncode == 0, p.stdout + p.stderr
         return p.stdout
 
-    assert "cli-run" in cli("runs")
-    csv = cli("query", "cli-run", "--metric", "mismatch_kl", "--last", "2", "--csv")
+    assert run in cli("runs")
+    csv = cli("query", run, "--metric", "mismatch_kl", "--last", "2", "--csv")
     assert csv.splitlines()[0] == "step,mismatch_kl"
     assert [float(x.split(",")[1]) for x in csv.splitlines()[1:]] == series[1:]
-    shown = loads(cli("show", "cli-run", "1", "--json"))
+    shown = loads(cli("show", run, "1", "--json"))
     assert shown["step"] == 1 and shown["row"]["mismatch_kl"] == series[1]
-    rep = loads(cli("report", "cli-run", "--json"))
+    rep = loads(cli("report", run, "--json"))
     assert rep["metrics"]["mismatch_kl"]["max"] == max(series)
     assert rep["metrics"]["mismatch_kl"]["steps"] == 3
-    assert "mismatch_kl" in cli("report", "cli-run")
+    assert "mismatch_kl" in cli("report", run)
 
 
-def test_serve_refuses_open_public_bind(tmp_path: Any) -> None:
+def test_serve_refuses_open_public_bind(tmp_path: Path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "timwatch", "serve", "--host", "0.0.0.0",
          "--db", f"sqlite:///{tmp_path / 'x.db'}"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
-        env={k: v for k, v in __import__("os").environ.items() if k != "TIMWATCH_TOKEN"},
+        env={k: v for k, v in os.environ.items() if k != "TIMWATCH_TOKEN"},
     )  # fmt: skip
     assert p.returncode == 2
     assert "--insecure" in p.stdout + p.stderr
@@ -427,7 +410,7 @@ def test_serve_refuses_open_public_bind(tmp_path: Any) -> None:
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--tau", "-1"), ("--eps", "0"), ("--tau", "nan")])
-def test_serve_refuses_bad_policy_parameters_cleanly(tmp_path: Any, flag: str, value: str) -> None:
+def test_serve_refuses_bad_policy_parameters_cleanly(tmp_path: Path, flag: str, value: str) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "timwatch", "serve", flag, value,
          "--db", f"sqlite:///{tmp_path / 'x.db'}"],
