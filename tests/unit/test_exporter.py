@@ -1,5 +1,5 @@
 """Prometheus exposition (docs/reference/prometheus.md): promtool-clean, additive, exact against the
-engine."""
+engine; the real app's /metrics is read in process (`tests.helpers.inproc`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -15,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.batches import RawBatch, random_batch
-from tests.helpers.procs import ServerProc
+from tests.helpers.inproc import InProcessApp
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.jsoncodec import dumps
@@ -51,10 +52,10 @@ def promtool_check(text: str) -> None:
     assert p.returncode == 0 and not p.stdout.strip() and not p.stderr.strip(), p.stdout + p.stderr
 
 
-def test_real_exposition_is_promtool_clean_and_exact(server: ServerProc) -> None:
+def test_real_exposition_is_promtool_clean_and_exact(app: InProcessApp) -> None:
     raws = [raw_batch(s, step=s, batch_id=f"b{s}") for s in range(3)]
     accs = [accumulate(Batch.from_arrays(**r.from_arrays_kwargs())) for r in raws]
-    with server.client() as c:
+    with app.client() as c:
         for r in raws:
             c.post("/v1/runs/run-a/batches", content=r.to_safetensors_bytes(), headers=SAFETENSORS)
         c.post("/v1/runs/run.b:2/batches", content=dumps(raws[0].to_json_obj()))
@@ -102,9 +103,8 @@ def test_real_exposition_is_promtool_clean_and_exact(server: ServerProc) -> None
     assert "x\n" not in text and 'run="\\"' not in text
 
 
-def test_idle_runs_leave_the_exposition(server_factory: Any) -> None:
-    srv = server_factory(args=["--run-ttl", "1"])
-    with srv.client() as c:
+def test_idle_runs_leave_the_exposition(app_factory: Callable[..., InProcessApp]) -> None:
+    with app_factory(run_ttl=1.0).client() as c:
         raw = raw_batch(7, step=1)
         assert c.post("/v1/runs/ttl/batches", content=dumps(raw.to_json_obj())).status_code == 200
         assert 'run="ttl"' in c.get("/metrics").text
