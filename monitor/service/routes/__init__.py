@@ -1,0 +1,11 @@
+"""The API's routers, one module per area; `create_app` includes `ROUTERS` in this order."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from timwatch.monitor.service.routes import history, ingest, masks, ops
+
+__all__ = ["ROUTERS"]
+
+ROUTERS: tuple[APIRouter, ...] = (ingest.router, masks.router, history.router, ops.router)

@@ -1,0 +1,104 @@
+"""The history queries: ``GET /v1/runs``, ``/v1/runs/{run}/metrics``, ``/steps/{step}``,
+``/events``. All need the read token when one is set."""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import Response
+
+from timwatch.monitor.core.errors import ApiError
+from timwatch.monitor.core.runid import check_run_id
+from timwatch.monitor.service import openapi_examples as ex
+from timwatch.monitor.service.deps import StoreDep, require_read
+from timwatch.monitor.service.responses import json_response, metric_column, split_list
+from timwatch.monitor.store import METRIC_COLUMNS, Store
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["history"], dependencies=[Depends(require_read)])
+
+_METRICS_DESCRIPTION = (
+    "Columns by step. Names: "
+    + ", ".join(METRIC_COLUMNS)
+    + " (`mask_ratio.estr` and `mask_ratio[estr]` also work). `from_step`/`to_step` "
+    "are inclusive; `last=N` keeps the last N steps."
+)
+
+
+def _known_run(store: Store, run: str) -> None:
+    if check_run_id(run) or not store.run_exists(run):
+        raise ApiError(404, f"run {run[:200]!r} not found")
+
+
+def _columns(requested: list[str]) -> list[str]:
+    """Store columns of the requested names (422 for none or an unknown one)."""
+    if not requested:
+        raise ApiError(422, "names must list at least one metric")
+    cols = [metric_column(n) for n in requested]
+    bad = [n for n, c in zip(requested, cols, strict=True) if c not in METRIC_COLUMNS]
+    if bad:
+        raise ApiError(422, f"unknown metric {bad[0]!r}; known: {', '.join(METRIC_COLUMNS)}")
+    return cols
+
+
+@router.get("/v1/runs", summary="List runs", responses=ex.RUNS_RESPONSES)
+def list_runs(store: StoreDep) -> Response:
+    return json_response({"runs": store.list_runs()})
+
+
+@router.get(
+    "/v1/runs/{run}/metrics",
+    summary="Metric series of a run",
+    description=_METRICS_DESCRIPTION,
+    responses=ex.METRICS_RESPONSES,
+)
+def metrics_query(
+    run: str,
+    store: StoreDep,
+    names: Annotated[str, Query(description="comma-separated metric names")] = "mismatch_kl",
+    from_step: Annotated[int | None, Query(ge=0)] = None,
+    to_step: Annotated[int | None, Query(ge=0)] = None,
+    last: Annotated[int | None, Query(ge=1)] = None,
+    format: Annotated[str, Query(pattern="^(json|csv)$")] = "json",
+) -> Response:
+    requested = split_list(names)
+    cols = _columns(requested)
+    _known_run(store, run)
+    window = {"from_step": from_step, "to_step": to_step, "last": last}
+    if format == "csv":
+        steps, rows = store.query_metrics(run, cols, **window)
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["step", *requested])
+        columns = [rows[c] for c in cols]
+        for i, s in enumerate(steps):
+            w.writerow([s, *("" if c[i] is None else repr(c[i]) for c in columns)])
+        return Response(buf.getvalue(), media_type="text/csv")
+    # columnar read path: numpy arrays straight into orjson, same JSON as the row path
+    steps_arr, series = store.query_series(run, cols, **window)
+    out = {n: series[c] for n, c in zip(requested, cols, strict=True)}
+    return json_response({"run": run, "steps": steps_arr, "series": out})
+
+
+@router.get(
+    "/v1/runs/{run}/steps/{step}",
+    summary="One step's row and details",
+    responses=ex.STEP_RESPONSES,
+)
+def get_step(run: str, step: int, store: StoreDep) -> Response:
+    found = None if check_run_id(run) else store.get_step(run, step)
+    if found is None:
+        raise ApiError(404, f"step {step} of run {run[:200]!r} not found")
+    return json_response(found)
+
+
+@router.get("/v1/runs/{run}/events", summary="Recent events of a run")
+def get_events(
+    run: str, store: StoreDep, limit: Annotated[int, Query(ge=1, le=10000)] = 100
+) -> Response:
+    _known_run(store, run)
+    return json_response({"run": run, "events": store.list_events(run, limit)})
