@@ -1,4 +1,4 @@
-"""Examples and descriptions for the OpenAPI document (kept apart so api.py stays readable)."""
+"""Examples and descriptions for the OpenAPI document (kept apart so the routes stay readable)."""
 
 from __future__ import annotations
 

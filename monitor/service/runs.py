@@ -6,7 +6,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from timwatch.monitor.core.accumulator import Accumulator
 
 __all__ = [
     "REJECT_REASONS",
@@ -23,7 +26,7 @@ class RunState:
     """What the exporter needs about one run: cumulative sums and the latest step row."""
 
     run: str
-    acc: Any  # core.engine.Accumulator: every accepted batch since this process started
+    acc: Accumulator  # every accepted batch since this process started
     row: dict[str, Any]  # the step row answered for the most recent batch (gauges)
     step: int
     last_seen: float  # time.monotonic() of the last accepted batch (TTL)
@@ -39,7 +42,7 @@ class RunRegistry:
     _rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def observe(self, run: str, acc: Any, row: dict[str, Any], step: int) -> None:
+    def observe(self, run: str, acc: Accumulator, row: dict[str, Any], step: int) -> None:
         """Add one newly accepted batch (never a replay) to ``run``'s live state.
 
         Counters take every batch; the gauges follow the highest step seen, so a late batch of
