@@ -9,6 +9,7 @@ Each subclass also keeps the builtin base callers already catch (`ValueError` fo
     │   ├── BatchError                     a batch that fails validation (field, index)
     │   ├── JoinError                      a malformed trainer report (field)
     │   └── WireError                      an engine answer of the wrong shape
+    ├── ConfigError (ValueError)           a setting that cannot work (URL, path, port, driver)
     ├── StoreUnavailable (RuntimeError)    the history store is down, locked or full
     ├── SeriesMismatch (RuntimeError)      stored series chunks disagree with each other
     ├── InsecureBindError (RuntimeError)   a public bind without a write token
@@ -23,6 +24,7 @@ from typing import Any
 __all__ = [
     "ApiError",
     "BatchError",
+    "ConfigError",
     "InputError",
     "InsecureBindError",
     "JoinError",
@@ -64,6 +66,11 @@ class JoinError(InputError):
 
 class WireError(TimwatchError, ValueError):
     """An engine answer that does not have the expected shape; names the field and index."""
+
+
+class ConfigError(TimwatchError, ValueError):
+    """A setting the user gave that cannot work (a database URL, a path, a port, a missing
+    driver); the message is one line that says how to fix it."""
 
 
 class StoreUnavailable(TimwatchError, RuntimeError):

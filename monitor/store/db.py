@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import URL, Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-__all__ = ["describe_url", "is_sqlite", "make_engine", "upgrade"]
+from timwatch.monitor.core.errors import ConfigError
+
+__all__ = ["check_url", "describe_url", "is_sqlite", "make_engine", "upgrade"]
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
@@ -16,13 +20,89 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 5.0
 
 
+POSTGRES_HINT = "postgresql+psycopg://USER:PASSWORD@HOST:5432/DB"
+
+
+def _parse(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError:
+        if "://" not in url:
+            raise ConfigError(f"{url!r} is not a database URL: use sqlite:///{url}") from None
+        raise ConfigError(
+            f"cannot parse database URL {url!r}: use sqlite:///PATH or {POSTGRES_HINT}"
+        ) from None
+
+
+def check_url(url: str) -> URL:
+    """The parsed URL, or a `ConfigError` saying how to fix it: unparsable, an unknown
+    database, a driver that is not installed, or a SQLite file that cannot be created or
+    written (its directory must exist; nothing is created here)."""
+    u = _parse(url)
+    shown = u.render_as_string(hide_password=True)
+    try:
+        dialect = u.get_dialect()
+    except NoSuchModuleError:
+        raise ConfigError(
+            f"unknown database {u.drivername!r} in {shown}: use sqlite:///PATH or {POSTGRES_HINT}"
+        ) from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ConfigError(_driver_hint(u, shown, exc)) from None
+    if u.get_backend_name() == "sqlite":
+        _check_sqlite_file(u.database)
+    return u
+
+
+def _driver_hint(u: URL, shown: str, exc: ImportError) -> str:
+    if u.get_backend_name() != "postgresql":
+        return (
+            f"{shown} needs the {exc.name or u.get_driver_name()} module, which is not installed;"
+            f" timwatch supports sqlite:///PATH and {POSTGRES_HINT}"
+        )
+    if "+" not in u.drivername or u.get_driver_name() != "psycopg":
+        fixed = u.set(drivername="postgresql+psycopg").render_as_string(hide_password=True)
+        return (
+            f"{shown} asks for the {u.get_driver_name()} driver, which is not installed: "
+            f"write {fixed} (pip install 'timwatch[postgres]')"
+        )
+    return f"the psycopg driver for {shown} is not installed: pip install 'timwatch[postgres]'"
+
+
+def _check_sqlite_file(database: str | None) -> None:
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database).expanduser().resolve()
+    parent = path.parent
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: name a file, e.g. sqlite:///{path}/timwatch.db")
+    if not parent.exists():
+        raise ConfigError(
+            f"cannot create the SQLite database {path}: directory {parent} does not exist "
+            "(create it or choose another path)"
+        )
+    if not parent.is_dir():
+        raise ConfigError(f"cannot create the SQLite database {path}: {parent} is not a directory")
+    # WAL keeps -wal and -shm files beside the database, so the directory must be writable too.
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"cannot write the SQLite database {path}: directory {parent} is not writable "
+            "(choose a writable path)"
+        )
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        raise ConfigError(
+            f"cannot write the SQLite database {path}: permission denied (choose a writable path)"
+        )
+
+
 def is_sqlite(url: str) -> bool:
-    return make_url(url).get_backend_name() == "sqlite"
+    return _parse(url).get_backend_name() == "sqlite"
 
 
 def describe_url(url: str) -> str:
     """The URL as safe to print: password hidden, SQLite path made absolute."""
-    u = make_url(url)
+    u = _parse(url)
     if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
         return f"sqlite:///{Path(u.database).resolve()} (WAL)"
     return u.render_as_string(hide_password=True)
@@ -36,11 +116,10 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", **kwargs: Any) ->
     process crash and saved under a millisecond per batch in our measurement) and
     ``BEGIN IMMEDIATE`` on write transactions (``execution_options(timwatch_write=True)``) so
     a writer takes the lock up front instead of failing on upgrade from a read lock.
+    A URL that cannot work raises `ConfigError` first (`check_url`).
     """
-    u = make_url(url)
+    u = check_url(url)
     if u.get_backend_name() == "sqlite":
-        if u.database and u.database != ":memory:":
-            Path(u.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(
             u,
             connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False},
