@@ -1,15 +1,20 @@
 """The ``timwatch`` program: one typer app that mounts the commands of the monitor and of the
 sidecar. It lives above both packages, so neither imports the other's commands; every heavy
 module (numba, FastAPI, torch) is imported by the command that needs it, when it runs.
+`main` runs it through `timwatch.monitor.cli.program.run`: plain help, one-line errors.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import Annotated
 
 import typer
 
 from timwatch.monitor.cli.analyze import analyze
 from timwatch.monitor.cli.dashboards import dashboards_app
 from timwatch.monitor.cli.history import history_app
+from timwatch.monitor.cli.program import run
 from timwatch.monitor.cli.serve import serve
 from timwatch.monitor.core.version import __version__
 from timwatch.sidecar.cli import sidecar_app
@@ -22,6 +27,7 @@ app = typer.Typer(
     help="Train–inference mismatch monitoring for LLM RL.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
 )
 
 
@@ -33,9 +39,10 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
-    ),
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
 ) -> None:
     """Train–inference mismatch monitoring for LLM RL."""
 
@@ -49,4 +56,4 @@ app.add_typer(sidecar_app, name="sidecar", help="Collectors in front of rollout 
 
 
 def main() -> None:
-    app()
+    sys.exit(run(app))

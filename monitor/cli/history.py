@@ -1,22 +1,31 @@
-"""History commands of ``timwatch``: runs, query, show, report (clients of a running server)."""
+"""History commands of ``timwatch``: runs, query, show, report (clients of a running server).
+
+They raise `ConfigError` for what the user can fix (no server at the URL, a refused token, an
+unknown run, step or metric); `timwatch.monitor.cli.program.run` prints it as one line.
+"""
 
 from __future__ import annotations
 
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from timwatch.monitor.client import TimwatchClient, TimwatchHTTPError
+from timwatch.monitor.client import DEFAULT_URL, TimwatchClient, TimwatchHTTPError
+from timwatch.monitor.core.errors import ConfigError
 from timwatch.monitor.core.jsoncodec import dumps
 
-__all__ = ["REPORT_METRICS", "history_app"]
+__all__ = ["REPORT_METRICS", "ask", "history_app"]
+
+T = TypeVar("T")
 
 history_app = typer.Typer(no_args_is_help=True, add_completion=False)
 console = Console()
@@ -34,22 +43,47 @@ REPORT_METRICS = (
     "token_id_mismatch_ratio",
 )
 
-UrlOpt = Annotated[
-    str | None, typer.Option("--url", envvar="TIMWATCH_URL", help="server URL", show_default=False)
-]
+UrlOpt = Annotated[str, typer.Option("--url", envvar="TIMWATCH_URL", help="server URL")]
 TokenOpt = Annotated[
     str | None,
-    typer.Option("--token", help="bearer token (default TIMWATCH_TOKEN / TIMWATCH_READ_TOKEN)"),
+    typer.Option(
+        "--token",
+        help="bearer token (default: $TIMWATCH_TOKEN, else $TIMWATCH_READ_TOKEN)",
+        show_default=False,
+    ),
 ]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
+RunArg = Annotated[str, typer.Argument(help="run name", show_default=False)]
 
 
-def _client(url: str | None, token: str | None) -> TimwatchClient:
-    return TimwatchClient(url, token=token)
-
-
-def _fail(e: Exception) -> typer.Exit:
-    console.print(f"[red]error:[/red] {e}", highlight=False)
-    return typer.Exit(1)
+def ask(url: str, token: str | None, call: Callable[[TimwatchClient], T]) -> T:
+    """``call`` on a client of the server at ``url``; transport failures and 4xx answers
+    become one-line `ConfigError`s that say what to change."""
+    try:
+        client = TimwatchClient(url, token=token)
+    except httpx.InvalidURL as exc:
+        raise ConfigError(f"--url {url!r} is not a URL ({exc}): e.g. {DEFAULT_URL}") from None
+    with client:
+        try:
+            return call(client)
+        except httpx.UnsupportedProtocol:
+            raise ConfigError(
+                f"--url {client.url!r} needs http:// or https://: e.g. {DEFAULT_URL}"
+            ) from None
+        except httpx.TransportError:
+            raise ConfigError(
+                f"cannot reach timwatch at {client.url}: is `timwatch serve` running there? "
+                "(set --url or TIMWATCH_URL)"
+            ) from None
+        except TimwatchHTTPError as exc:
+            if exc.status in (401, 403):
+                raise ConfigError(
+                    f"timwatch at {client.url} refused the token ({exc.status}: {exc.detail}): "
+                    "set --token or TIMWATCH_READ_TOKEN"
+                ) from None
+            if 400 <= exc.status < 500:
+                raise ConfigError(exc.detail) from None
+            raise
 
 
 def _when(ts: float | None) -> str:
@@ -63,17 +97,13 @@ def _fmt(v: Any) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.6g}"
-    return str(v)
+    return escape(str(v))
 
 
 @history_app.command()
-def runs(url: UrlOpt = None, token: TokenOpt = None, json: bool = False) -> None:
+def runs(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False) -> None:
     """List the runs the server knows."""
-    try:
-        with _client(url, token) as c:
-            items = c.runs()
-    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
-        raise _fail(e) from None
+    items = ask(url, token, lambda c: c.runs())
     if json:
         sys.stdout.write(dumps(items).decode() + "\n")
         return
@@ -81,33 +111,41 @@ def runs(url: UrlOpt = None, token: TokenOpt = None, json: bool = False) -> None
     for r in items:
         tags = ", ".join(f"{k}={v}" for k, v in (r.get("tags") or {}).items())
         t.add_row(
-            r["run"], str(r["steps"]), _fmt(r["last_step"]), _when(r["first_seen"]),
-            _when(r["last_seen"]), tags,
+            escape(r["run"]), str(r["steps"]), _fmt(r["last_step"]), _when(r["first_seen"]),
+            _when(r["last_seen"]), escape(tags),
         )  # fmt: skip
     console.print(t)
 
 
 @history_app.command()
 def query(
-    run: str,
-    metric: Annotated[list[str], typer.Option("--metric", "-m", help="metric (repeatable)")],
-    last: Annotated[int | None, typer.Option(help="only the last N steps")] = None,
-    from_step: Annotated[int | None, typer.Option(help="first step (inclusive)")] = None,
-    to_step: Annotated[int | None, typer.Option(help="last step (inclusive)")] = None,
+    run: RunArg,
+    metric: Annotated[
+        list[str], typer.Option("--metric", "-m", help="metric name (repeat for several)")
+    ],
+    last: Annotated[
+        int | None, typer.Option(help="only the last N steps (default: all)", show_default=False)
+    ] = None,
+    from_step: Annotated[
+        int | None, typer.Option(help="first step, inclusive (default: the first)")
+    ] = None,
+    to_step: Annotated[
+        int | None, typer.Option(help="last step, inclusive (default: the last)")
+    ] = None,
     csv: Annotated[bool, typer.Option("--csv", help="print CSV")] = False,
-    url: UrlOpt = None,
+    url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
     """Print metric series of RUN by step."""
-    try:
-        with _client(url, token) as c:
-            res = c.metrics(run, metric, from_step=from_step, to_step=to_step, last=last, csv=csv)
-    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
-        raise _fail(e) from None
+    res = ask(
+        url,
+        token,
+        lambda c: c.metrics(run, metric, from_step=from_step, to_step=to_step, last=last, csv=csv),
+    )
     if csv:
         sys.stdout.write(res)
         return
-    t = Table("step", *metric)
+    t = Table("step", *(escape(m) for m in metric))
     for i, s in enumerate(res["steps"]):
         t.add_row(str(s), *(_fmt(res["series"][m][i]) for m in metric))
     console.print(t)
@@ -115,33 +153,24 @@ def query(
 
 @history_app.command()
 def show(
-    run: str, step: int, url: UrlOpt = None, token: TokenOpt = None, json: bool = False
+    run: RunArg,
+    step: Annotated[int, typer.Argument(help="step number", show_default=False)],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    json: JsonOpt = False,
 ) -> None:
     """Print one step's row and details (buckets, worst tokens)."""
-    try:
-        with _client(url, token) as c:
-            res = c.step(run, step)
-    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
-        raise _fail(e) from None
+    from timwatch.monitor.cli.render import render_details, render_row
+
+    res = ask(url, token, lambda c: c.step(run, step))
     if json:
         sys.stdout.write(dumps(res).decode() + "\n")
         return
-    row = res["row"]
-    console.print(f"run [bold]{run}[/bold] step {step} · {res['batches']} batch(es)")
-    t = Table("metric", "value")
-    for k, v in row.items():
-        if not isinstance(v, (dict, list)):
-            t.add_row(k, _fmt(v))
-    for group in ("mask_ratio", "seq_reject_ratio"):
-        for p, v in (row.get(group) or {}).items():
-            t.add_row(f"{group}[{p}]", _fmt(v))
-    console.print(t)
-    worst = row.get("worst_tokens") or []
-    if worst:
-        w = Table(*(str(k) for k in worst[0]), title="worst tokens (by ESTR score)")
-        for item in worst:
-            w.add_row(*(_fmt(v) for v in item.values()))
-        console.print(w)
+    console.print(
+        f"run [bold]{escape(run)}[/bold] step {step} · {res['batches']} batch(es)", highlight=False
+    )
+    render_row(res["row"], console)
+    render_details(res["row"], console)
 
 
 def summarize(steps: list[int], values: list[Any]) -> dict[str, Any]:
@@ -168,20 +197,18 @@ def summarize(steps: list[int], values: list[Any]) -> dict[str, Any]:
 
 
 @history_app.command()
-def report(run: str, url: UrlOpt = None, token: TokenOpt = None, json: bool = False) -> None:
+def report(
+    run: RunArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+) -> None:
     """Summarise RUN's headline metrics over its whole history."""
-    try:
-        with _client(url, token) as c:
-            res = c.metrics(run, REPORT_METRICS)
-    except (TimwatchHTTPError, httpx.HTTPError, OSError) as e:
-        raise _fail(e) from None
+    res = ask(url, token, lambda c: c.metrics(run, REPORT_METRICS))
     summary = {m: summarize(res["steps"], res["series"][m]) for m in REPORT_METRICS}
     if json:
         sys.stdout.write(dumps({"run": run, "metrics": summary}).decode() + "\n")
         return
     steps = res["steps"]
     span = f"steps {steps[0]}–{steps[-1]}" if steps else "no steps"
-    console.print(f"run [bold]{run}[/bold] · {len(steps)} steps · {span}")
+    console.print(f"run [bold]{escape(run)}[/bold] · {len(steps)} steps · {span}", highlight=False)
     t = Table("metric", "last", "mean", "max", "at step", "last/first tenth")
     for m, s in summary.items():
         if s["steps"]:

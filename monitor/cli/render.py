@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["TOPICS", "render_row"]
+__all__ = ["TOPICS", "render_details", "render_row"]
 
 TOPICS: dict[str, tuple[str, ...]] = {
     "KL": ("mismatch_kl", "kl_k1", "kl_k2", "discrepancy_kl", "staleness_kl"),
@@ -51,7 +52,7 @@ def _fmt(value: Any) -> str:
         return "[dim]—[/dim]"
     if isinstance(value, float):
         return f"{value:.6g}"
-    return str(value)
+    return escape(str(value))
 
 
 def render_row(row: dict[str, Any], console: Console | None = None, title: str = "") -> None:
@@ -61,6 +62,8 @@ def render_row(row: dict[str, Any], console: Console | None = None, title: str =
         f"step {row['step']} · {row['tokens']} masked tokens in {row['sequences']} sequences"
         f" · entropy from {row.get('entropy_source')}"
     )
+    if row.get("policy_version") is not None:
+        head += f" · policy_version {row['policy_version']}"
     tables: list[Table] = []
     for topic, names in TOPICS.items():
         table = Table(title=topic, title_justify="left", show_header=False, min_width=44)
@@ -69,14 +72,79 @@ def render_row(row: dict[str, Any], console: Console | None = None, title: str =
         for name in names:
             table.add_row(name, _fmt(row.get(name)))
         tables.append(table)
-    masks = Table(title="Masks (shadow evaluation: share rejected)", title_justify="left")
+    masks = Table(
+        title="Masks (shadow evaluation: share rejected)", title_justify="left", min_width=44
+    )
     masks.add_column("policy", style="cyan")
     masks.add_column("tokens", justify="right")
     masks.add_column("sequences", justify="right")
     for policy, ratio in row["mask_ratio"].items():
-        masks.add_row(policy, _fmt(ratio), _fmt(row["seq_reject_ratio"].get(policy)))
+        masks.add_row(escape(policy), _fmt(ratio), _fmt(row["seq_reject_ratio"].get(policy)))
     tables.append(masks)
     if title:
         console.rule(title)
-    console.print(head)
+    console.print(escape(head), highlight=False)
     console.print(Group(*tables))
+
+
+def _bins(edges: list[float]) -> list[str]:
+    """Labels of left-closed bins whose last one is open-ended: ``[0, 0.01)`` … ``≥ 3``."""
+    inner = [f"[{lo:g}, {hi:g})" for lo, hi in zip(edges, edges[1:], strict=False)]
+    return [*inner, f"≥ {edges[-1]:g}"]
+
+
+def _length_table(buckets: dict[str, dict[str, Any]]) -> Table:
+    t = Table(title="Length buckets (b = ⌊log2 n⌋)", title_justify="left")
+    for name in ("b", "lengths", "sequences", "tokens", "mean |L|", "mismatch_kl"):
+        t.add_column(name, justify="right")
+    for key in sorted(buckets, key=int):
+        b, v = int(key), buckets[key]
+        t.add_row(
+            str(b), f"{2**b}–{2 ** (b + 1) - 1}", _fmt(v["sequences"]), _fmt(v["tokens"]),
+            _fmt(v["seq_log_ratio_abs_mean"]), _fmt(v["mismatch_kl"]),
+        )  # fmt: skip
+    return t
+
+
+def _lag_table(buckets: dict[str, dict[str, Any]]) -> Table:
+    t = Table(title="Lag buckets (policy_version − v)", title_justify="left", min_width=44)
+    for name in ("lag", "tokens", "mismatch_kl"):
+        t.add_column(name, justify="right")
+    for key in sorted(buckets, key=int):
+        t.add_row(key, _fmt(buckets[key]["tokens"]), _fmt(buckets[key]["mismatch_kl"]))
+    return t
+
+
+def _heatmap_table(heat: dict[str, Any]) -> Table:
+    t = Table(
+        title="Heatmap: tokens by H (rows) × |δ| (columns), ESTR-rejected in ( )",
+        title_justify="left",
+    )
+    t.add_column("H \\ |δ|", style="cyan")
+    for label in _bins(heat["abs_log_ratio_edges"]):
+        t.add_column(escape(label), justify="right")
+    for label, counts, rejected in zip(
+        _bins(heat["entropy_edges"]), heat["all"], heat["estr_rejected"], strict=True
+    ):
+        cells = [f"{n} ({r})" if r else str(n) for n, r in zip(counts, rejected, strict=True)]
+        t.add_row(escape(label), *cells)
+    return t
+
+
+def render_details(row: dict[str, Any], console: Console | None = None) -> None:
+    """Print a row's buckets as small tables: length buckets, lag buckets (or why there are
+    none), the entropy × |δ| heatmap and the worst tokens."""
+    console = console or Console()
+    console.print(_length_table(row.get("length_buckets") or {}))
+    if row.get("lag_buckets"):
+        console.print(_lag_table(row["lag_buckets"]))
+    else:
+        console.print("Lag buckets: none (the batches carry no versions or policy_version)")
+    if row.get("heatmap"):
+        console.print(_heatmap_table(row["heatmap"]))
+    worst = row.get("worst_tokens") or []
+    if worst:
+        w = Table(*(escape(str(k)) for k in worst[0]), title="Worst tokens (by ESTR score)")
+        for item in worst:
+            w.add_row(*(_fmt(v) for v in item.values()))
+        console.print(w)
