@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from timwatch.monitor.core.errors import ApiError
+from timwatch.monitor.core.version import __version__
 from timwatch.monitor.service.exporter import make_registry
 from timwatch.monitor.service.responses import encode_masks, json_response, metric_column
 from timwatch.monitor.service.routes import ROUTERS
@@ -62,7 +63,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
 
     app = FastAPI(
         title="timwatch",
-        version="0.1.0",
+        version=__version__,
         summary="Train–inference mismatch monitoring for LLM RL.",
         lifespan=lifespan,
     )
