@@ -43,7 +43,7 @@ def _options(command: str) -> dict[str, Any]:
     return {p.name: p for p in group.commands[command].params if p.name}
 
 
-def _option(command: str, options: dict[str, Any], name: str, default: float) -> str:
+def _option(command: str, options: dict[str, Any], name: str, default: object) -> str:
     option = options.get(name)
     if option is None:
         return "—"
