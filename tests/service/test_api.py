@@ -427,5 +427,6 @@ def test_history_commands_report_an_unreachable_server_in_one_line() -> None:
             [sys.executable, "-m", "timwatch", *args, "--url", "http://127.0.0.1:9"],
             cwd=REPO, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        assert p.returncode == 1, args
-        assert "Traceback" not in p.stderr + p.stdout and "error" in p.stdout + p.stderr, args
+        assert p.returncode == 2, args  # a TimwatchError: one line on stderr (CONTRIBUTING.md)
+        assert "Traceback" not in p.stderr + p.stdout and not p.stdout, args
+        assert len(p.stderr.splitlines()) == 1 and "http://127.0.0.1:9" in p.stderr, args
