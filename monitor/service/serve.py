@@ -134,14 +134,14 @@ def run_server(settings: Settings, *, log_level: str = "info", out: TextIO = sys
     """Check, bind, open (and migrate) the store, print the startup line, serve until
     interrupted. Raises `ConfigError`, `InsecureBindError` or `StoreUnavailable` before the
     startup line when something cannot work."""
-    import uvicorn
-
-    from timwatch.monitor.core.engine import warm_up
-    from timwatch.monitor.service.app import create_app
-
     check_settings(settings)
     sock = bind_socket(settings.host, settings.port)
     try:
+        import uvicorn
+
+        from timwatch.monitor.core.engine import warm_up
+        from timwatch.monitor.service.app import create_app
+
         warm_up()
         store = open_store(settings.db_url)
         app = create_app(settings, store=store)

@@ -55,6 +55,19 @@ def test_policy_parameters_are_overridable() -> None:
     assert tight["mask_ratio"]["estr"] > 0.0  # the default τ rejects nothing in this example
 
 
+def test_every_policy_parameter_reaches_the_engine() -> None:
+    """The generated options are passed through: loosening Geo-RS and tightening KPop from the
+    command line gives the same ratios as the engine with those parameters."""
+    args = ("--geo-rs-low", "0.5", "--geo-rs-high", "2", "--kpop-phi", "0.001")
+    row = json.loads(timwatch("analyze", str(EXAMPLE), "--json", *args).stdout)
+    params = PolicyParams(geo_rs_low=0.5, geo_rs_high=2.0, kpop_phi=0.001)
+    want = analyze(Batch.from_json(json.loads(EXAMPLE.read_text())), params).to_dict()
+    default = analyze(Batch.from_json(json.loads(EXAMPLE.read_text()))).to_dict()
+    for policy in ("geo_rs", "kpop"):
+        assert row["mask_ratio"][policy] == pytest.approx(want["mask_ratio"][policy])
+        assert row["mask_ratio"][policy] != default["mask_ratio"][policy]
+
+
 def test_table_output_is_grouped_by_topic() -> None:
     out = timwatch("analyze", str(EXAMPLE))
     assert out.returncode == 0, out.stderr
