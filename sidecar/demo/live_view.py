@@ -1,4 +1,5 @@
-"""The rich live view of `timwatch demo`: a progress bar over a table of the service's rows.
+"""The rich live view of `timwatch demo`: one verdict line per step (printed above the live part,
+so it stays in the scrollback), and a progress bar under a table of the latest rows.
 
 Rows are what the running service stored (read back through its history API), not numbers the
 demo computed itself, so the view shows exactly what `timwatch query` and Grafana will show.
@@ -13,8 +14,11 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-__all__ = ["COLUMNS", "MASKS", "METRICS", "LiveView"]
+from timwatch.sidecar.demo.verdict import Level, judge
+
+__all__ = ["COLUMNS", "MASKS", "METRICS", "LiveView", "make_console", "verdict_line"]
 
 # (history column, header): the headline table, then the mask ratio of every policy (shadow)
 METRICS = (
@@ -47,13 +51,34 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-class LiveView:
-    """``with LiveView(steps, title) as v: v.update(step, rows, reward)``."""
+MARKS = {Level.HEALTHY: ("✓", "green"), Level.WATCH: ("!", "yellow"), Level.BAD: ("✗", "bold red")}
 
-    def __init__(self, steps: int, title: str, *, show_rows: int = 10, enabled: bool = True):
-        console = Console()
-        # piped output (CI logs) gets a readable width instead of 80 columns
-        self.console = console if console.is_terminal else Console(width=110)
+
+def make_console() -> Console:
+    console = Console(highlight=False)
+    # piped output (CI logs) gets a readable width instead of 80 columns
+    return console if console.is_terminal else Console(width=110, highlight=False)
+
+
+def verdict_line(row: dict[str, Any]) -> Text:
+    """``step   2  reward 0.21  ✗ <verdict>`` for one stored row."""
+    v = judge(row)
+    mark, style = MARKS[v.level]
+    line = Text(f"step {row['step']:>3}  reward {_fmt(row.get('reward')):>5}  ")
+    line.append(f"{mark} ", style=style)
+    line.append(v.text, style=style if v.level is not Level.HEALTHY else "")
+    return line
+
+
+class LiveView:
+    """``with LiveView(steps, title) as v: v.update(done, rows)``; `update` prints the verdict line
+    of every row it sees for the first time, in step order, also when disabled or exited."""
+
+    def __init__(
+        self, steps: int, title: str, *, show_rows: int = 10, enabled: bool = True,
+        console: Console | None = None,
+    ) -> None:  # fmt: skip
+        self.console = console or make_console()
         self.title = title
         self.progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -62,6 +87,7 @@ class LiveView:
         self.task = self.progress.add_task("steps", total=steps)
         self.rows: deque[dict[str, Any]] = deque(maxlen=show_rows)
         self.enabled = enabled
+        self.logged = -1
         self._live: Live | None = None
 
     def _table(self, title: str, cols: tuple[tuple[str, str], ...], reward: bool) -> Table:
@@ -95,6 +121,7 @@ class LiveView:
         if self._live is not None:
             self._live.update(self.render())
             self._live.__exit__(*exc)
+            self._live = None
 
     def update(self, done: int, rows: list[dict[str, Any]]) -> None:
         known = {r["step"]: r for r in self.rows}
@@ -102,6 +129,10 @@ class LiveView:
             known[row["step"]] = {**known.get(row["step"], {}), **row}
         self.rows.clear()
         self.rows.extend(sorted(known.values(), key=lambda r: r["step"])[-self.rows.maxlen :])  # type: ignore[operator]
+        for row in sorted(rows, key=lambda r: int(r["step"])):
+            if row["step"] > self.logged:
+                self.console.print(verdict_line(known[row["step"]]))
+                self.logged = row["step"]
         self.progress.update(self.task, completed=done)
         if self._live is not None:
             self._live.update(self.render())

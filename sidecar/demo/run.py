@@ -2,18 +2,21 @@
 
 What runs, all on this machine, nothing downloaded:
 
-1. the timwatch service, in-process (uvicorn on 127.0.0.1, SQLite history);
+1. the timwatch service, in-process (uvicorn on 127.0.0.1, SQLite history), its numba kernels
+   compiled (first run) or loaded from numba's cache before the first step;
 2. a tiny causal LM (`timwatch.sidecar.demo.tinylm`). The *rollout engine* is a copy of it cast to
    ``--precision`` (bf16 by default) that samples with a KV-cache decode loop and keeps μ; the
    *trainer* recomputes the same tokens with one fp32 full-sequence prefill and gets π and H from
    `timwatch.monitor.trainer.logprobs.logprobs_and_entropy_from_logits`;
-3. asynchronous RL: the engine samples with the weights of ``--lag`` versions ago while the
-   trainer is at the current version, then takes ``--updates`` Adam steps with the ESTR PPO loss
-   on a toy reward (share of "target" tokens, ids divisible by 8), so the policy, its entropy and
-   the staleness all move;
+3. asynchronous RL (`timwatch.sidecar.demo.train`): the engine samples with the weights of
+   ``--lag`` versions ago while the trainer is at the current version, then takes ``--updates``
+   Adam steps with the ESTR PPO loss on a toy reward (share of "target" tokens, ids divisible by
+   8), so the policy, its entropy and the staleness all move;
 4. every step goes to the service through the non-blocking `Tap` with μ, π (current
    weights), H, per-token versions and logp_old (fp32 under the engine's weights), so the history
-   separates engine mismatch (``discrepancy_kl``) from staleness (``staleness_kl``).
+   separates engine mismatch (``discrepancy_kl``) from staleness (``staleness_kl``);
+5. every stored step gets one verdict line (`timwatch.sidecar.demo.verdict`), and the end — or
+   Ctrl-C, which stops after the current step and exits 130 — prints a summary.
 
 The mismatch is what the two numeric paths produce; nothing is injected. With ``--precision
 fp32`` only kernel-order differences remain and the engine mismatch drops by orders of magnitude.
@@ -21,153 +24,65 @@ fp32`` only kernel-order differences remain and the engine mismatch drops by ord
 
 from __future__ import annotations
 
-import copy
-import socket
-import threading
 import time
+from contextlib import ExitStack
 from typing import Annotated, Any
 
 import httpx
 import typer
+from rich.console import Console
 
-from timwatch.sidecar.demo.live_view import COLUMNS, LiveView
+from timwatch.sidecar.demo.live_view import COLUMNS, LiveView, make_console
+from timwatch.sidecar.demo.report import history_url, live_hints, offline_hints, summary
+from timwatch.sidecar.demo.verdict import KL_HEALTHY, KL_OFF_POLICY, NEEDS, num, worst_step
 
-__all__ = ["demo", "DemoService"]
+__all__ = ["DEFAULT_DB", "PRECISIONS", "demo"]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 DEFAULT_DB = "sqlite:///./timwatch-demo.db"
-PROMPT_LEN = 4
-
-
-class DemoService:
-    """The timwatch service in a background thread of this process, on a socket it owns."""
-
-    def __init__(self, db_url: str, port: int = 0) -> None:
-        import uvicorn
-
-        from timwatch.monitor.service.app import create_app
-        from timwatch.monitor.service.settings import Settings
-        from timwatch.monitor.store import Store
-
-        self.store = Store(db_url)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.port = int(self.sock.getsockname()[1])
-        settings = Settings(host="127.0.0.1", port=self.port, db_url=db_url)
-        app = create_app(settings, store=self.store)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
-        )
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the demo's timwatch service did not start")
-            time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-
-def _free_run_name(store: Any, run: str) -> str:
-    """A run name not yet in the history (re-running the demo must not merge into old steps)."""
-    if not store.run_exists(run):
-        return run
-    k = 2
-    while store.run_exists(f"{run}-{k}"):
-        k += 1
-    return f"{run}-{k}"
+INTERRUPTED = 130  # the shell's code for a command stopped by SIGINT
+NAMES = ",".join(dict.fromkeys([*(c for c, _ in COLUMNS), *NEEDS]))
 
 
 def _fetch(client: httpx.Client, run: str, last: int | None) -> list[dict[str, Any]]:
-    names = ",".join(c for c, _ in COLUMNS)
-    params: dict[str, Any] = {"names": names}
+    params: dict[str, Any] = {"names": NAMES}
     if last is not None:
         params["last"] = last
     r = client.get(f"/v1/runs/{run}/metrics", params=params)
     if r.status_code != 200:
         return []
     res = r.json()
+    cols = NAMES.split(",")
     return [
-        {"step": s, **{c: res["series"][c][i] for c, _ in COLUMNS}}
-        for i, s in enumerate(res["steps"])
+        {"step": s, **{c: res["series"][c][i] for c in cols}} for i, s in enumerate(res["steps"])
     ]
 
 
-def _train(
-    *, steps: int, precision: str, lag: int, batch: int, max_new_tokens: int, updates: int,
-    lr: float, seed: int, threads: int, tap: Any, view: LiveView, client: httpx.Client, run: str,
-) -> dict[int, float]:  # fmt: skip
-    import torch
+def _warm_up(console: Console, stack: ExitStack, *, db: str, port: int, **train: Any) -> Any:
+    """Kernels, service, torch and model, each reported when ready; returns (service, trainer)."""
+    from timwatch.monitor.core.engine import warm_up
+    from timwatch.sidecar.demo.service import DemoService
 
-    from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
-    from timwatch.monitor.trainer.losses import estr_ppo_loss
-    from timwatch.sidecar.demo.tinylm import TinyLM
+    with console.status("compiling the metric kernels (numba; first run only)…") as status:
+        t = time.monotonic()
+        warm_up()
+        console.print(f"  metric kernels ready in {time.monotonic() - t:.1f} s (numba caches them)")
+        status.update("starting the timwatch service…")
+        service = DemoService(db, port)
+        stack.callback(service.stop)
+        console.print(f"  service on {service.url} · history {history_url(db)}")
+        status.update("importing torch and building the tiny LM…")
+        t = time.monotonic()
+        import torch
 
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    model = TinyLM(seed=seed, max_len=PROMPT_LEN + max_new_tokens)
-    engine = copy.deepcopy(model).to(dtype).eval()
-    old = copy.deepcopy(model).eval()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    history = {0: copy.deepcopy(model.state_dict())}
-    gen = torch.Generator().manual_seed(seed + 1)
-    rewards: dict[int, float] = {}
-    for step in range(steps):
-        behaviour = max(0, step - lag)
-        engine.load_state_dict(history[behaviour])  # cast to the engine's dtype on load
-        old.load_state_dict(history[behaviour])
-        prompt = torch.randint(0, model.vocab, (batch, PROMPT_LEN), generator=gen)
-        lengths = torch.randint(
-            max(1, max_new_tokens // 4), max_new_tokens + 1, (batch,), generator=gen
+        from timwatch.sidecar.demo.train import DemoTrainer
+
+        trainer = DemoTrainer(**train)
+        console.print(
+            f"  torch {torch.__version__} · tiny LM of {trainer.parameters:,} parameters ready "
+            f"in {time.monotonic() - t:.1f} s"
         )
-        roll = engine.generate(prompt, max_new_tokens, gen)
-        tokens, mu = roll.tokens, roll.logp
-        full = torch.cat([prompt, tokens], dim=1)
-        mask = torch.arange(max_new_tokens)[None, :] < lengths[:, None]
-        with torch.no_grad():
-            logp_old, h_old = logprobs_and_entropy_from_logits(
-                old(full)[:, PROMPT_LEN - 1 : -1], tokens
-            )
-        target = (tokens % 8 == 0).float()
-        reward = (target * mask).sum(1) / lengths
-        adv = ((reward - reward.mean()) / (reward.std() + 1e-6))[:, None].expand_as(mu)
-        pi0 = h0 = None
-        for _ in range(updates):
-            logits = model(full)[:, PROMPT_LEN - 1 : -1]
-            pi, h = logprobs_and_entropy_from_logits(logits, tokens)
-            if pi0 is None:
-                pi0, h0 = pi.detach(), h.detach()
-            loss, _ = estr_ppo_loss(pi, logp_old, adv, mask, mu, h_old)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        history[step + 1] = copy.deepcopy(model.state_dict())
-        history.pop(step + 1 - lag - 1, None)
-        assert pi0 is not None and h0 is not None
-        cu = torch.zeros(batch + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=cu[1:])
-        tap.report(
-            step, cu_seqlens=cu, logp_rollout=mu[mask], logp_train=pi0[mask], entropy=h0[mask],
-            loss_mask=torch.ones(int(cu[-1]), dtype=torch.int8), token_ids=tokens[mask],
-            token_ids_train=full[:, PROMPT_LEN:][mask],
-            versions=torch.full((int(cu[-1]),), behaviour, dtype=torch.int64),
-            logp_old=logp_old[mask], policy_version=step,
-        )  # fmt: skip
-        rewards[step] = float(reward.mean())
-        rows = _fetch(client, run, last=3)
-        view.update(step + 1, [{**r, "reward": rewards.get(r["step"])} for r in rows])
-    return rewards
+    return service, trainer
 
 
 def demo(
@@ -186,75 +101,102 @@ def demo(
     updates: Annotated[int, typer.Option(min=1, help="optimizer steps per rollout")] = 2,
     lr: Annotated[float, typer.Option(help="Adam learning rate")] = 3e-4,
     seed: Annotated[int, typer.Option(help="random seed")] = 0,
-    threads: Annotated[int, typer.Option(min=1, help="torch CPU threads")] = 2,
-    live: Annotated[bool, typer.Option(help="rich live view (off: only the summary)")] = True,
+    threads: Annotated[
+        int,
+        typer.Option(
+            min=1, help="torch CPU threads (the model is tiny: more threads only contend)"
+        ),
+    ] = 1,
+    live: Annotated[bool, typer.Option(help="rich live view (off: step lines and summary)")] = True,
     hold: Annotated[bool, typer.Option(help="keep serving after the run until Ctrl-C")] = False,
 ) -> None:
     """Train a tiny LM with a bf16 rollout engine and an fp32 trainer; watch the mismatch live."""
     if precision not in PRECISIONS:
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}")
+    console = make_console()
+    console.print("warming up: compiling the metric kernels and building the model…")
+    started = time.monotonic()
+    with ExitStack() as stack:
+        try:
+            service, trainer = _warm_up(
+                console, stack, db=db, port=port, precision=precision, lag=lag, batch=batch,
+                max_new_tokens=max_new_tokens, updates=updates, lr=lr, seed=seed,
+                threads=threads,
+            )  # fmt: skip
+        except KeyboardInterrupt:
+            console.print("interrupted during the warm-up: no step was trained")
+            raise typer.Exit(INTERRUPTED) from None
+        code = _train_and_report(
+            console, stack, service, trainer, steps=steps, run=run, db=db, hold=hold,
+            live=live, title=f"timwatch demo · {precision} engine vs fp32 trainer · lag {lag}",
+            started=started,
+        )  # fmt: skip
+    if code:
+        raise typer.Exit(code)
+
+
+def _train_and_report(
+    console: Console, stack: ExitStack, service: Any, trainer: Any, *, steps: int, run: str,
+    db: str, hold: bool, live: bool, title: str, started: float,
+) -> int:  # fmt: skip
+    """The steps, then the summary and hints; the exit code (130 when Ctrl-C stopped it)."""
+    from timwatch.sidecar.demo.service import free_run_name
     from timwatch.sidecar.tap import Tap
 
-    started = time.monotonic()
-    service = DemoService(db, port)
-    run = _free_run_name(service.store, run)
+    run = free_run_name(service.store, run)
     tap = Tap(service.url, run, rank=0)
-    client = httpx.Client(base_url=service.url, timeout=30)
-    title = f"timwatch demo · run {run} · {precision} engine vs fp32 trainer · lag {lag}"
+    stack.callback(tap.close, 10)
+    client = stack.enter_context(httpx.Client(base_url=service.url, timeout=30))
+    console.print(
+        f"training run [bold]{run}[/bold]: {steps} steps, one verdict each — ✓ healthy "
+        f"(k3 < {num(KL_HEALTHY)}) · ! watch · ✗ bad (k3 ≥ {num(KL_OFF_POLICY)}: off-policy)\n"
+        "  staleness = the policy moved since the engine's weights (the lag) · "
+        "precision = the engine's own numeric error"
+    )
+    view = LiveView(steps, f"{title} · run {run}", enabled=live, console=console)
+    rewards: dict[int, float] = {}
+
+    def with_reward(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**r, "reward": rewards.get(r["step"])} for r in rows]
+
+    interrupted = serving = False
+    rows: list[dict[str, Any]] = []
     try:
-        with LiveView(steps, title, enabled=live) as view:
-            rewards = _train(
-                steps=steps, precision=precision, lag=lag, batch=batch,
-                max_new_tokens=max_new_tokens, updates=updates, lr=lr, seed=seed,
-                threads=threads, tap=tap, view=view, client=client, run=run,
-            )  # fmt: skip
+        with view:
+            for step in range(steps):
+                rewards[step] = trainer.step(step, tap)
+                view.update(step + 1, with_reward(_fetch(client, run, last=3)))
             tap.flush(60)
-            rows = _fetch(client, run, last=None)
-            view.update(steps, [{**r, "reward": rewards.get(r["step"])} for r in rows])
-        _summary(view, run, db, service.url, rows, tap.stats(), time.monotonic() - started)
-        if hold:
-            view.console.print(f"serving on {service.url} — Ctrl-C to stop")
-            try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
-    finally:
-        tap.close(10)
-        client.close()
-        service.stop()
-
-
-def _summary(
-    view: LiveView, run: str, db: str, url: str, rows: list[dict[str, Any]],
-    stats: dict[str, Any], wall_s: float,
-) -> None:  # fmt: skip
-    c = view.console
-    if not view.enabled:
-        c.print(view.table())
-
-    def mean(col: str) -> float:
-        vals = [r[col] for r in rows if r.get(col) is not None]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    c.print(
-        f"\n[bold]{len(rows)} steps stored[/bold] in {wall_s:.1f} s · tap sent {stats['sent']}, "
-        f"dropped {stats['dropped']}, failed {stats['failed']}"
-    )
-    c.print(
-        f"mean mismatch_kl {mean('mismatch_kl'):.3g} · engine-only (discrepancy_kl) "
-        f"{mean('discrepancy_kl'):.3g} · staleness_kl {mean('staleness_kl'):.3g} · "
-        f"noise_scale σ̂² {mean('noise_scale'):.3g}"
-    )
-    c.print("\n[bold]Where to look[/bold]")
-    c.print(f"  Prometheus   {url}/metrics   (while this process serves; --hold keeps it up)")
-    c.print(f"  history API  curl '{url}/v1/runs/{run}/metrics?names=mismatch_kl,is_ratio_std'")
-    c.print(f"  one step     curl '{url}/v1/runs/{run}/steps/0'")
-    c.print(f"  CLI          timwatch query {run} --metric mismatch_kl --url {url}")
-    c.print(
-        f"  later        timwatch serve --db {db}   then   "
-        f"timwatch query {run} --metric mismatch_kl --metric noise_scale"
-    )
+            rows = with_reward(_fetch(client, run, last=None))
+            view.update(steps, rows)
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print(f"\ninterrupted: stopping after {len(rewards)} of {steps} steps…")
+    try:
+        if interrupted:
+            tap.flush(15)
+            rows = with_reward(_fetch(client, run, last=None))
+            view.update(len(rewards), rows)
+        if not live:
+            console.print(view.table())
+        summary(
+            console, run=run, db=db, rows=rows, planned=steps, stats=tap.stats(),
+            wall_s=time.monotonic() - started, interrupted=interrupted,
+        )  # fmt: skip
+        if not hold or interrupted:
+            offline_hints(console, run=run, db=db)
+            return INTERRUPTED if interrupted else 0
+        worst = worst_step(rows)
+        live_hints(console, run=run, url=service.url, worst=None if worst is None else worst[0])
+        serving = True
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        if serving:
+            console.print("stopped serving")
+            return 0
+        console.print("interrupted again: exiting without the rest of the summary")
+        return INTERRUPTED
 
 
 if __name__ == "__main__":
