@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import ExitStack
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import httpx
 import typer
@@ -36,6 +36,10 @@ from rich.console import Console
 from timwatch.sidecar.demo.live_view import COLUMNS, LiveView, make_console
 from timwatch.sidecar.demo.report import history_url, live_hints, offline_hints, summary
 from timwatch.sidecar.demo.verdict import KL_HEALTHY, KL_OFF_POLICY, NEEDS, num, worst_step
+
+if TYPE_CHECKING:
+    from timwatch.sidecar.demo.service import DemoService
+    from timwatch.sidecar.demo.train import DemoTrainer
 
 __all__ = ["DEFAULT_DB", "PRECISIONS", "demo"]
 
@@ -59,8 +63,10 @@ def _fetch(client: httpx.Client, run: str, last: int | None) -> list[dict[str, A
     ]
 
 
-def _warm_up(console: Console, stack: ExitStack, *, db: str, port: int, **train: Any) -> Any:
-    """Kernels, service, torch and model, each reported when ready; returns (service, trainer)."""
+def _warm_up(
+    console: Console, stack: ExitStack, *, db: str, port: int, **train: Any
+) -> tuple[DemoService, DemoTrainer]:
+    """Kernels, service, torch and model, each reported when ready."""
     from timwatch.monitor.core.engine import warm_up
     from timwatch.sidecar.demo.service import DemoService
 
@@ -141,8 +147,8 @@ def demo(
 
 
 def _train_and_report(
-    console: Console, stack: ExitStack, service: Any, trainer: Any, *, steps: int, run: str,
-    db: str, hold: bool, live: bool, title: str, started: float,
+    console: Console, stack: ExitStack, service: DemoService, trainer: DemoTrainer, *,
+    steps: int, run: str, db: str, hold: bool, live: bool, title: str, started: float,
 ) -> int:  # fmt: skip
     """The steps, then the summary and hints; the exit code (130 when Ctrl-C stopped it)."""
     from timwatch.sidecar.demo.service import free_run_name
