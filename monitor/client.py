@@ -5,13 +5,15 @@ from __future__ import annotations
 import base64
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import numpy as np
 
 from timwatch.monitor.core.errors import TimwatchHTTPError
 from timwatch.monitor.core.jsoncodec import dumps, loads
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["DEFAULT_URL", "TimwatchClient", "TimwatchHTTPError", "decode_masks"]
 
@@ -45,6 +47,8 @@ class TimwatchClient:
         self.url = (url or os.environ.get("TIMWATCH_URL") or DEFAULT_URL).rstrip("/")
         tok = token or os.environ.get("TIMWATCH_TOKEN") or os.environ.get("TIMWATCH_READ_TOKEN")
         headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+        import httpx  # on first use: the CLI starts without it
+
         self.http = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout, transport=transport
         )

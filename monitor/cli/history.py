@@ -11,17 +11,19 @@ import statistics
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-import httpx
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from timwatch.monitor.client import DEFAULT_URL, TimwatchClient, TimwatchHTTPError
-from timwatch.monitor.core.errors import ConfigError
+from timwatch.monitor.client import DEFAULT_URL
+from timwatch.monitor.core.errors import ConfigError, TimwatchHTTPError
 from timwatch.monitor.core.jsoncodec import dumps
+
+if TYPE_CHECKING:
+    from timwatch.monitor.client import TimwatchClient
 
 __all__ = ["REPORT_METRICS", "ask", "history_app"]
 
@@ -58,7 +60,12 @@ RunArg = Annotated[str, typer.Argument(help="run name", show_default=False)]
 
 def ask(url: str, token: str | None, call: Callable[[TimwatchClient], T]) -> T:
     """``call`` on a client of the server at ``url``; transport failures and 4xx answers
-    become one-line `ConfigError`s that say what to change."""
+    become one-line `ConfigError`s that say what to change. httpx loads here, not when the
+    ``timwatch`` program starts."""
+    import httpx
+
+    from timwatch.monitor.client import TimwatchClient
+
     try:
         client = TimwatchClient(url, token=token)
     except httpx.InvalidURL as exc:

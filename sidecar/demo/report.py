@@ -19,7 +19,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.text import Text
-from sqlalchemy.engine import make_url
 
 from timwatch.sidecar.demo.live_view import MARKS
 from timwatch.sidecar.demo.verdict import Level, advice, judge, num, worst_step
@@ -42,6 +41,8 @@ def program(argv0: str | None = None, executable: str | None = None) -> str:
 
 def history_url(db: str) -> str:
     """``db`` as a URL that means the same store from any directory (password hidden)."""
+    from sqlalchemy.engine import make_url  # SQLAlchemy loads only when a demo runs
+
     u = make_url(db)
     if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
         return f"sqlite:///{Path(u.database).resolve()}"
@@ -49,6 +50,8 @@ def history_url(db: str) -> str:
 
 
 def _where(db: str) -> str:
+    from sqlalchemy.engine import make_url
+
     u = make_url(db)
     if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
         return str(Path(u.database).resolve())

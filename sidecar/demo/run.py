@@ -29,7 +29,6 @@ import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Annotated, Any
 
-import httpx
 import typer
 from rich.console import Console
 
@@ -38,6 +37,8 @@ from timwatch.sidecar.demo.report import history_url, live_hints, offline_hints,
 from timwatch.sidecar.demo.verdict import KL_HEALTHY, KL_OFF_POLICY, NEEDS, num, worst_step
 
 if TYPE_CHECKING:
+    import httpx
+
     from timwatch.sidecar.demo.service import DemoService
     from timwatch.sidecar.demo.train import DemoTrainer
 
@@ -151,6 +152,8 @@ def _train_and_report(
     steps: int, run: str, db: str, hold: bool, live: bool, title: str, started: float,
 ) -> int:  # fmt: skip
     """The steps, then the summary and hints; the exit code (130 when Ctrl-C stopped it)."""
+    import httpx
+
     from timwatch.sidecar.demo.service import free_run_name
     from timwatch.sidecar.tap import Tap
 
