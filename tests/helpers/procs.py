@@ -28,6 +28,7 @@ __all__ = [
     "running_process",
     "server_env",
     "shared_server_proc",
+    "stop_process",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,6 +45,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds; reaps it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 @contextmanager
@@ -66,12 +79,7 @@ def running_process(args: list[str], ready_url: str) -> Iterator[subprocess.Pope
             time.sleep(0.1)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, grace=10)
 
 
 @dataclass
@@ -120,13 +128,8 @@ class ServerProc:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def client(self, token: str | None = None) -> httpx.Client:
         tok = token if token is not None else self.token

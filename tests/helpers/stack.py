@@ -31,6 +31,7 @@ import numpy as np
 import yaml
 
 from tests.helpers.batches import RawBatch
+from tests.helpers.procs import stop_process
 
 __all__ = [
     "DEPLOY",
@@ -160,13 +161,8 @@ class Proc:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 class Webhook(ThreadingHTTPServer):
