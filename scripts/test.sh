@@ -41,4 +41,6 @@ export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 .venv/bin/ruff check timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/ruff format --check -q timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/mypy  # the packages of [tool.mypy]: timwatch, with its linked sub-packages
-.venv/bin/python -m pytest -p no:cacheprovider "$@"
+# two workers (a test file stays on one worker, so its module fixtures are shared): most tests
+# wait on subprocesses, Prometheus or PostgreSQL, and one worker leaves a core idle
+.venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" --dist loadfile "$@"
