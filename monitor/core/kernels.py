@@ -45,6 +45,12 @@ _FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf 
 _C_TOKENS, _C_SEQ, _C_TOK, _C_SEQR = C.tokens, C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
+_F_TIS, _F_PD2, _F_PPL = F.tis_m1, F.pd2, F.ppl_train
+_C_LOW, _C_TOK2, _C_SEQR2, _C_WHI = C.is_low, C.tok_reject2, C.seq_reject2, C.seq_w_high
+_M_LPD_MAX, _M_W_MAX, _M_W_DEV, _M_LPD_MIN, _M_W_MIN = (
+    M.lpd_max, M.seq_w_max, M.seq_w_dev, M.lpd_min, M.seq_w_min,
+)  # fmt: skip
+_EXP_GUARD = 600.0  # perplexity exps: far from overflow even summed over 2^53 sequences
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -75,23 +81,27 @@ def _aligned_i64(n):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
-    b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
+    b_d, b_k3, b_rm1, b_w, b_score, b_fb, b_sb, b_hb, layouts,
 ):  # fmt: skip
     """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
     the same shape for every chunk whatever the caller's array alignment, so the reassociated
     sums, and therefore rows, are identical for JSON, safetensors and in-memory batches."""
     tau, eps, dabs, ice_lo, ice_hi = params[0], params[1], params[2], params[3], params[4]
     phi, tis_c = params[5], params[6]
+    k1_lo, k1_hi, t_k2, t_k3 = params[12], params[13], params[14], params[15]
+    c_tis, c_m1 = params[21], params[22]
     ad_lo, ad_oct, ad_sub, ad_last = layouts[0], layouts[1], layouts[2], layouts[3]
     s_lo, s_oct, s_sub, s_last = layouts[4], layouts[5], layouts[6], layouts[7]
     h_lo, h_oct, h_sub, h_last = layouts[8], layouts[9], layouts[10], layouts[11]
     s_d = s_ad = s_d2 = s_k3 = s_rm1 = s_rm1sq = s_h = s_h2 = s_d2h = s_d4 = 0.0
     s_pd = s_sc = s_r = s_r2 = 0.0
+    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
     k_lo, k_hi = order_key(-_BIG), order_key(_BIG)
     k_ad = k_pd = k_hmax = k_d2max = order_key(0.0)
     k_dmax = k_lo
     k_dmin = k_hmin = k_d2min = k_hi
     n_on = n_estr = n_dabs = n_ice = n_tis = n_kpop = 0
+    n_low = n_k1 = n_k2 = n_k3 = 0
     for j in range(n):
         on = x_on[j] != 0
         m0 = x_mu[j]
@@ -111,6 +121,11 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         pdiff = abs(pp - q) if near else 0.0
         score = d2 / (h + eps)
         dc = min(max(d, -20.0), 20.0)
+        wm1 = min(rm1, c_m1)
+        wt = min(r, c_tis)
+        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
+        pw = wn * pp
+        qw = wn * q
         n_on += on
         s_d += d
         s_ad += ad
@@ -126,6 +141,16 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         s_d4 += d2 * d2
         s_pd += pdiff
         s_sc += score
+        s_wm1 += wm1
+        s_wm1sq += wm1 * wm1
+        s_w += w * wt
+        s_w2 += w * (wt * wt)
+        s_pd2 += pdiff * pdiff
+        s_p += pw
+        s_q += qw
+        s_p2 += pw * pp
+        s_q2 += qw * q
+        s_pq += pw * q
         kx = order_key(ad)
         k_ad = kx if kx > k_ad else k_ad
         kx = order_key(pdiff)
@@ -146,10 +171,16 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_estr += d2 > tau * (h + eps)
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
-        n_tis += dc > tis_c
+        n_tis += on & (dc > tis_c)
+        n_low += on & (dc < -tis_c)
+        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
+        n_k2 += 0.5 * dc * dc > t_k2
+        n_k3 += k3 > t_k3
         n_kpop += near & _kpop_reject(pp, q, p, m, phi)
         b_d[j] = d
         b_k3[j] = k3
+        b_rm1[j] = rm1
+        b_w[j] = wt
         b_score[j] = score
         b_fb[j] = fine_index(ad, ad_lo, ad_oct, ad_sub, ad_last)
         b_sb[j] = fine_index(score, s_lo, s_oct, s_sub, s_last)
@@ -168,6 +199,16 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     fsum[11] += s_sc
     fsum[15] += s_r
     fsum[16] += s_r2
+    fsum[_F_TIS] += s_wm1
+    fsum[_F_TIS + 1] += s_wm1sq
+    fsum[_F_TIS + 2] += s_w
+    fsum[_F_TIS + 3] += s_w2
+    fsum[_F_PD2] += s_pd2
+    fsum[_F_PD2 + 1] += s_p
+    fsum[_F_PD2 + 2] += s_q
+    fsum[_F_PD2 + 3] += s_p2
+    fsum[_F_PD2 + 4] += s_q2
+    fsum[_F_PD2 + 5] += s_pq
     fext[0] = max(fext[0], from_order_key(k_ad))
     fext[1] = max(fext[1], from_order_key(k_pd))
     fext[2] = max(fext[2], from_order_key(k_dmax))
@@ -182,6 +223,10 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 2] += n_ice
     cnt[_C_TOK + 3] += n_kpop
     cnt[_C_TOK + 4] += n_tis
+    cnt[_C_LOW] += n_low
+    cnt[_C_TOK2 + 0] += n_k1
+    cnt[_C_TOK2 + 1] += n_k2
+    cnt[_C_TOK2 + 2] += n_k3
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -195,7 +240,6 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
 ):  # fmt: skip
     """Fill the accumulators from one packed batch (see core.accumulator for the layout)."""
     tau, eps, phi = params[0], params[1], params[5]
-    mis_lo, mis_hi, geo_lo, geo_hi, kappa = params[7], params[8], params[9], params[10], params[11]
     n_ad_edges = ad_edges.shape[0]
     n_s_edges = s_edges.shape[0]
     n_h = h_edges.shape[0]
@@ -206,6 +250,8 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     x_on = _aligned_i64(_CHUNK)
     b_d = _aligned_f64(_CHUNK)
     b_k3 = _aligned_f64(_CHUNK)
+    b_rm1 = _aligned_f64(_CHUNK)
+    b_w = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
     b_sb = _aligned_i64(_CHUNK)
@@ -220,9 +266,10 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     while s < nseq and cu[s + 1] == 0:
         s += 1
     seq_end = cu[s + 1] if s < nseq else n
+    c_m1 = params[22]
     n_s = 0
-    big_l = 0.0
-    k3_s = 0.0
+    big_l = k3_s = s_mu = s_pi = s_w = s_wr = s_r = s_k2 = 0.0
+    x_k2 = x_k3 = -1.0
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
         for j in range(c1 - c0):
@@ -232,18 +279,20 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_on[j] = mask[c0 + j]
         _vector_phase(
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-            b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
+            b_d, b_k3, b_rm1, b_w, b_score, b_fb, b_sb, b_hb, layouts,
         )  # fmt: skip
         for t in range(c0, c1):
             if t == seq_end:
                 if n_s > 0:
                     _close_sequence(
                         n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-                        mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+                        params,
                     )  # fmt: skip
+                    _close_sequence_verl(n_s, big_l, s_mu, s_pi, s_w, s_wr, s_r, s_k2, k3_s,
+                                         x_k2, x_k3, fsum, fext, cnt, params)  # fmt: skip
                 n_s = 0
-                big_l = 0.0
-                k3_s = 0.0
+                big_l = k3_s = s_mu = s_pi = s_w = s_wr = s_r = s_k2 = 0.0
+                x_k2 = x_k3 = -1.0
                 s += 1
                 while cu[s + 1] == t:
                     s += 1
@@ -255,15 +304,34 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             ad = abs(d)
             n_s += 1
             big_l += d
-            k3_s += b_k3[j]
+            k3 = b_k3[j]
+            k3_s += k3
+            x_k3 = max(x_k3, k3)
+            rm1 = b_rm1[j]
+            s_r += rm1
+            s_w += min(rm1, c_m1)
+            s_wr += b_w[j]
+            dc = min(max(d, -20.0), 20.0)
+            k2 = 0.5 * dc * dc
+            s_k2 += k2
+            x_k2 = max(x_k2, k2)
+            s_mu += np.float64(mu[t])
+            s_pi += np.float64(pi[t])
             if ad > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped them)
                 m = np.float64(mu[t])
                 p = np.float64(pi[t])
                 q = math.exp(m)
-                pdiff = abs(math.exp(p) - q)
+                ep = math.exp(p)
+                pdiff = abs(ep - q)
                 fsum[10] += pdiff
                 fext[1] = max(fext[1], pdiff)
-                cnt[_C_TOK + 3] += _kpop_reject(math.exp(p), q, p, m, phi)
+                cnt[_C_TOK + 3] += _kpop_reject(ep, q, p, m, phi)
+                fsum[_F_PD2] += pdiff * pdiff
+                fsum[_F_PD2 + 1] += ep
+                fsum[_F_PD2 + 2] += q
+                fsum[_F_PD2 + 3] += ep * ep
+                fsum[_F_PD2 + 4] += q * q
+                fsum[_F_PD2 + 5] += ep * q
             fb = b_fb[j]
             hist_ad[fb] += 1
             c = ad_table[fb]
@@ -289,17 +357,18 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
                         wmin = i
     if n_s > 0:
         _close_sequence(
-            n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-            mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+            n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
         )  # fmt: skip
+        _close_sequence_verl(n_s, big_l, s_mu, s_pi, s_w, s_wr, s_r, s_k2, k3_s, x_k2, x_k3,
+                             fsum, fext, cnt, params)  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _close_sequence(  # type: ignore[no-untyped-def]
-    n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-    mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+    n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
 ):  # fmt: skip
     """Sequence statistics, length bucket and sequence-policy decisions of one sequence."""
+    mis_lo, mis_hi, geo_lo, geo_hi, kappa = params[7], params[8], params[9], params[10], params[11]
     cnt[_C_SEQ] += 1
     abs_l = abs(big_l)
     fsum[_F_SEQ_ABS_L] += abs_l
@@ -325,3 +394,42 @@ def _close_sequence(  # type: ignore[no-untyped-def]
     if k3_s / n_s > kappa:
         cnt[_C_TOK + 7] += n_s
         cnt[_C_SEQR + 2] += 1
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _close_sequence_verl(  # type: ignore[no-untyped-def]
+    n_s, big_l, s_mu, s_pi, s_w, s_wr, s_r, s_k2, s_k3, x_k2, x_k3, fsum, fext, cnt, params,
+):  # fmt: skip
+    """verl's per-sequence statistics (perplexities, mean IS weights) and its five sequence
+    rejection modes, for one sequence with n_s > 0 masked tokens."""
+    g = -big_l / n_s  # log-perplexity difference: mean μ − mean π
+    fsum[_F_PPL + 4] += g
+    fsum[_F_PPL + 5] += abs(g)
+    fsum[_F_PPL + 6] += math.exp(min(max(g, -_EXP_GUARD), _EXP_GUARD))
+    fext[_M_LPD_MAX] = max(fext[_M_LPD_MAX], g)
+    fext[_M_LPD_MIN] = min(fext[_M_LPD_MIN], g)
+    lp_train = -s_pi / n_s
+    lp_roll = -s_mu / n_s
+    fsum[_F_PPL + 0] += math.exp(min(lp_train, _EXP_GUARD))
+    fsum[_F_PPL + 1] += lp_train
+    fsum[_F_PPL + 2] += math.exp(min(lp_roll, _EXP_GUARD))
+    fsum[_F_PPL + 3] += lp_roll
+    u = s_w / n_s  # mean truncated weight − 1 (moments); the mean itself for sum and extrema
+    wbar = s_wr / n_s
+    fsum[_F_PPL + 7] += u
+    fsum[_F_PPL + 8] += u * u
+    fsum[_F_PPL + 9] += wbar
+    fext[_M_W_MAX] = max(fext[_M_W_MAX], wbar)
+    fext[_M_W_MIN] = min(fext[_M_W_MIN], wbar)
+    fext[_M_W_DEV] = max(fext[_M_W_DEV], abs(u))
+    raw = s_r / n_s  # mean raw weight − 1
+    cnt[_C_WHI] += raw > params[22]
+    cnt[_C_WHI + 1] += raw < params[23]
+    rejects = (
+        s_k2 > params[16], s_k3 > params[17], s_k2 / n_s > params[18], x_k2 > params[19],
+        x_k3 > params[20],
+    )  # fmt: skip
+    for i in range(5):
+        if rejects[i]:
+            cnt[_C_TOK2 + 3 + i] += n_s
+            cnt[_C_SEQR2 + i] += 1

@@ -24,6 +24,8 @@ __all__ = [
     "POLICIES",
     "SEQUENCE_POLICIES",
     "TOKEN_POLICIES",
+    "VERL_SEQUENCE_POLICIES",
+    "VERL_TOKEN_POLICIES",
     "PolicyParams",
     "delta_abs_keep_mask",
     "estr_keep_mask",
@@ -39,9 +41,16 @@ __all__ = [
     "token_k3",
 ]
 
-TOKEN_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis")
-SEQUENCE_POLICIES = ("seq_mis", "geo_rs", "k3_rs")
-POLICIES = TOKEN_POLICIES + SEQUENCE_POLICIES
+#: verl's rejection-sampling modes (rollout_corr_helper) that the original eight do not cover
+VERL_TOKEN_POLICIES = ("token_k1", "token_k2", "token_k3")
+VERL_SEQUENCE_POLICIES = ("seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
+TOKEN_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis", *VERL_TOKEN_POLICIES)
+SEQUENCE_POLICIES = ("seq_mis", "geo_rs", "k3_rs", *VERL_SEQUENCE_POLICIES)
+#: the original eight first (their accumulator slots and store columns never move), then verl's
+POLICIES = (
+    "estr", "delta_abs", "icepop", "kpop", "tis", "seq_mis", "geo_rs", "k3_rs",
+    *VERL_TOKEN_POLICIES, *VERL_SEQUENCE_POLICIES,
+)  # fmt: skip
 CLAMP = 20.0
 P_MIN, P_MAX = 1e-8, 1.0 - 1e-8
 Array = Any  # numpy.ndarray or torch.Tensor
@@ -70,12 +79,31 @@ class PolicyParams:
     geo_rs_low: float = _param(0.999, "geo_rs", "Geo-RS lower bound on e^(L/n)")
     geo_rs_high: float = _param(1.001, "geo_rs", "Geo-RS upper bound on e^(L/n)")
     k3_rs_kappa: float = _param(0.01, "k3_rs", "K3-RS κ: keep iff the sequence's mean k3 ≤ κ")
+    token_k1_lower: float = _param(
+        0.6, "token_k1", "token_k1 lower ratio bound: keep iff ln lo ≤ −δc"
+    )
+    token_k1_upper: float = _param(
+        1.6, "token_k1", "token_k1 upper ratio bound: keep iff −δc ≤ ln hi"
+    )
+    token_k2_upper: float = _param(2.5, "token_k2", "token_k2: keep iff δc²/2 ≤ this")
+    token_k3_upper: float = _param(2.5, "token_k3", "token_k3: keep iff k3 ≤ this")
+    seq_sum_k2_upper: float = _param(2.5, "seq_sum_k2", "seq_sum_k2: keep iff Σ_s δc²/2 ≤ this")
+    seq_sum_k3_upper: float = _param(2.5, "seq_sum_k3", "seq_sum_k3: keep iff Σ_s k3 ≤ this")
+    seq_mean_k2_upper: float = _param(
+        0.01, "seq_mean_k2", "seq_mean_k2: keep iff mean_s δc²/2 ≤ this"
+    )
+    seq_max_k2_upper: float = _param(2.5, "seq_max_k2", "seq_max_k2: keep iff max_s δc²/2 ≤ this")
+    seq_max_k3_upper: float = _param(2.5, "seq_max_k3", "seq_max_k3: keep iff max_s k3 ≤ this")
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"policy parameter {name} must be a positive number, got {value}")
-        for lo, hi in (("icepop_low", "icepop_high"), ("seq_mis_low", "seq_mis_high")):
+        for lo, hi in (
+            ("icepop_low", "icepop_high"),
+            ("seq_mis_low", "seq_mis_high"),
+            ("token_k1_lower", "token_k1_upper"),
+        ):
             if getattr(self, lo) >= getattr(self, hi):
                 raise ValueError(f"{lo} must be below {hi}")
         if self.geo_rs_low >= self.geo_rs_high:
@@ -97,6 +125,18 @@ class PolicyParams:
                 math.log(self.geo_rs_low),
                 math.log(self.geo_rs_high),
                 self.k3_rs_kappa,
+                math.log(self.token_k1_lower),
+                math.log(self.token_k1_upper),
+                self.token_k2_upper,
+                self.token_k3_upper,
+                self.seq_sum_k2_upper,
+                self.seq_sum_k3_upper,
+                self.seq_mean_k2_upper,
+                self.seq_max_k2_upper,
+                self.seq_max_k3_upper,
+                self.tis_c,
+                self.tis_c - 1.0,
+                1.0 / self.tis_c - 1.0,
             ],
             dtype=np.float64,
         )
@@ -312,6 +352,10 @@ def keep_masks(
             out[name] = geo_rs_keep_mask(*seq_args, p.geo_rs_low, p.geo_rs_high)
         elif name == "k3_rs":
             out[name] = k3_rs_keep_mask(*seq_args, p.k3_rs_kappa)
+        elif name in VERL_TOKEN_POLICIES or name in VERL_SEQUENCE_POLICIES:
+            from timwatch.monitor.core.rs_modes import verl_keep_mask
+
+            out[name] = verl_keep_mask(name, lt, lr, batch.cu_seqlens, batch.loss_mask, p)
         else:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     return out
