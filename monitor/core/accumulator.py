@@ -156,8 +156,29 @@ class Accumulator:
         return float(self.fsum[F.lpd])
 
     @property
+    def sum_training_ppl(self) -> float:
+        return float(self.fsum[F.ppl_train])
+
+    @property
+    def sum_rollout_ppl(self) -> float:
+        return float(self.fsum[F.ppl_roll])
+
+    @property
+    def sum_ppl_ratio(self) -> float:
+        return float(self.fsum[F.ppl_ratio])
+
+    @property
+    def sum_seq_is_weight(self) -> float:
+        return float(self.fsum[F.seq_w])
+
+    @property
     def is_ratio_low_tokens(self) -> int:
         return int(self.cnt[C.is_low])
+
+    @property
+    def seq_is_ratio_out_of_bounds(self) -> dict[str, int]:
+        """Sequences whose mean raw IS ratio is above C ("high") or below 1/C ("low")."""
+        return {"high": int(self.cnt[C.seq_w_high]), "low": int(self.cnt[C.seq_w_low])}
 
     def abs_log_ratio_buckets(self) -> list[tuple[float, int]]:
         return _cumulative(ABS_LOG_RATIO_BUCKETS, self.prom_ad)

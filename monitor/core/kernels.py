@@ -402,14 +402,14 @@ def _close_sequence_verl(  # type: ignore[no-untyped-def]
 ):  # fmt: skip
     """verl's per-sequence statistics (perplexities, mean IS weights) and its five sequence
     rejection modes, for one sequence with n_s > 0 masked tokens."""
-    g = -big_l / n_s  # log-perplexity difference: mean μ − mean π
+    g = (0.0 - big_l) / n_s  # log-perplexity difference mean μ − mean π (+0.0, never −0.0)
     fsum[_F_PPL + 4] += g
     fsum[_F_PPL + 5] += abs(g)
     fsum[_F_PPL + 6] += math.exp(min(max(g, -_EXP_GUARD), _EXP_GUARD))
     fext[_M_LPD_MAX] = max(fext[_M_LPD_MAX], g)
     fext[_M_LPD_MIN] = min(fext[_M_LPD_MIN], g)
-    lp_train = -s_pi / n_s
-    lp_roll = -s_mu / n_s
+    lp_train = (0.0 - s_pi) / n_s
+    lp_roll = (0.0 - s_mu) / n_s
     fsum[_F_PPL + 0] += math.exp(min(lp_train, _EXP_GUARD))
     fsum[_F_PPL + 1] += lp_train
     fsum[_F_PPL + 2] += math.exp(min(lp_roll, _EXP_GUARD))

@@ -253,6 +253,11 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
         seq_mis_low: float | None = None, seq_mis_high: float | None = None,
         geo_rs_low: float | None = None, geo_rs_high: float | None = None,
         k3_rs_kappa: float | None = None,
+        token_k1_lower: float | None = None, token_k1_upper: float | None = None,
+        token_k2_upper: float | None = None, token_k3_upper: float | None = None,
+        seq_sum_k2_upper: float | None = None, seq_sum_k3_upper: float | None = None,
+        seq_mean_k2_upper: float | None = None, seq_max_k2_upper: float | None = None,
+        seq_max_k3_upper: float | None = None,
     ) -> Any:  # fmt: skip
         names = settings.params.__dataclass_fields__
         given = {k: v for k, v in locals().items() if k in names and v is not None}
