@@ -81,27 +81,23 @@ def _aligned_i64(n):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
-    b_d, b_k3, b_rm1, b_w, b_score, b_fb, b_sb, b_hb, layouts,
+    b_d, b_k3, b_rm1, b_r, b_score, b_fb, b_sb, b_hb, layouts,
 ):  # fmt: skip
     """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
     the same shape for every chunk whatever the caller's array alignment, so the reassociated
     sums, and therefore rows, are identical for JSON, safetensors and in-memory batches."""
     tau, eps, dabs, ice_lo, ice_hi = params[0], params[1], params[2], params[3], params[4]
     phi, tis_c = params[5], params[6]
-    k1_lo, k1_hi, t_k2, t_k3 = params[12], params[13], params[14], params[15]
-    c_tis, c_m1 = params[21], params[22]
     ad_lo, ad_oct, ad_sub, ad_last = layouts[0], layouts[1], layouts[2], layouts[3]
     s_lo, s_oct, s_sub, s_last = layouts[4], layouts[5], layouts[6], layouts[7]
     h_lo, h_oct, h_sub, h_last = layouts[8], layouts[9], layouts[10], layouts[11]
     s_d = s_ad = s_d2 = s_k3 = s_rm1 = s_rm1sq = s_h = s_h2 = s_d2h = s_d4 = 0.0
     s_pd = s_sc = s_r = s_r2 = 0.0
-    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
     k_lo, k_hi = order_key(-_BIG), order_key(_BIG)
     k_ad = k_pd = k_hmax = k_d2max = order_key(0.0)
     k_dmax = k_lo
     k_dmin = k_hmin = k_d2min = k_hi
     n_on = n_estr = n_dabs = n_ice = n_tis = n_kpop = 0
-    n_low = n_k1 = n_k2 = n_k3 = 0
     for j in range(n):
         on = x_on[j] != 0
         m0 = x_mu[j]
@@ -121,11 +117,6 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         pdiff = abs(pp - q) if near else 0.0
         score = d2 / (h + eps)
         dc = min(max(d, -20.0), 20.0)
-        wm1 = min(rm1, c_m1)
-        wt = min(r, c_tis)
-        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
-        pw = wn * pp
-        qw = wn * q
         n_on += on
         s_d += d
         s_ad += ad
@@ -141,16 +132,6 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         s_d4 += d2 * d2
         s_pd += pdiff
         s_sc += score
-        s_wm1 += wm1
-        s_wm1sq += wm1 * wm1
-        s_w += w * wt
-        s_w2 += w * (wt * wt)
-        s_pd2 += pdiff * pdiff
-        s_p += pw
-        s_q += qw
-        s_p2 += pw * pp
-        s_q2 += qw * q
-        s_pq += pw * q
         kx = order_key(ad)
         k_ad = kx if kx > k_ad else k_ad
         kx = order_key(pdiff)
@@ -171,16 +152,12 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_estr += d2 > tau * (h + eps)
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
-        n_tis += on & (dc > tis_c)
-        n_low += on & (dc < -tis_c)
-        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
-        n_k2 += 0.5 * dc * dc > t_k2
-        n_k3 += k3 > t_k3
+        n_tis += dc > tis_c
         n_kpop += near & _kpop_reject(pp, q, p, m, phi)
         b_d[j] = d
         b_k3[j] = k3
         b_rm1[j] = rm1
-        b_w[j] = wt
+        b_r[j] = r
         b_score[j] = score
         b_fb[j] = fine_index(ad, ad_lo, ad_oct, ad_sub, ad_last)
         b_sb[j] = fine_index(score, s_lo, s_oct, s_sub, s_last)
@@ -199,16 +176,6 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     fsum[11] += s_sc
     fsum[15] += s_r
     fsum[16] += s_r2
-    fsum[_F_TIS] += s_wm1
-    fsum[_F_TIS + 1] += s_wm1sq
-    fsum[_F_TIS + 2] += s_w
-    fsum[_F_TIS + 3] += s_w2
-    fsum[_F_PD2] += s_pd2
-    fsum[_F_PD2 + 1] += s_p
-    fsum[_F_PD2 + 2] += s_q
-    fsum[_F_PD2 + 3] += s_p2
-    fsum[_F_PD2 + 4] += s_q2
-    fsum[_F_PD2 + 5] += s_pq
     fext[0] = max(fext[0], from_order_key(k_ad))
     fext[1] = max(fext[1], from_order_key(k_pd))
     fext[2] = max(fext[2], from_order_key(k_dmax))
@@ -223,6 +190,61 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 2] += n_ice
     cnt[_C_TOK + 3] += n_kpop
     cnt[_C_TOK + 4] += n_tis
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+def _vector_phase_verl(  # type: ignore[no-untyped-def]
+    x_mu, x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_w,
+):  # fmt: skip
+    """The verl-parity token sums and counts, a second pass over the staged chunk (the first
+    pass's code, and so its summation order, stays as it was: rows keep their bits)."""
+    tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
+    c_tis, c_m1 = params[21], params[22]
+    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
+    n_low = n_k1 = n_k2 = n_k3 = 0
+    for j in range(n):
+        on = x_on[j] != 0
+        w = 1.0 if on else 0.0
+        d = b_d[j]
+        rm1 = b_rm1[j]
+        r = b_r[j]
+        dc = min(max(d, -20.0), 20.0)
+        m = x_mu[j] if on else -1.0
+        q = exp(m)
+        pp = q + q * rm1
+        near = abs(d) <= 20.0
+        pdiff = abs(pp - q) if near else 0.0
+        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
+        pw = wn * pp
+        qw = wn * q
+        wm1 = min(rm1, c_m1)
+        wt = min(r, c_tis)
+        k3 = b_k3[j]
+        s_wm1 += wm1
+        s_wm1sq += wm1 * wm1
+        s_w += w * wt
+        s_w2 += w * (wt * wt)
+        s_pd2 += pdiff * pdiff
+        s_p += pw
+        s_q += qw
+        s_p2 += pw * pp
+        s_q2 += qw * q
+        s_pq += pw * q
+        n_low += on & (dc < -tis_c)
+        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
+        n_k2 += 0.5 * dc * dc > t_k2
+        n_k3 += k3 > t_k3
+        b_w[j] = wt
+    fsum[_F_TIS] += s_wm1
+    fsum[_F_TIS + 1] += s_wm1sq
+    fsum[_F_TIS + 2] += s_w
+    fsum[_F_TIS + 3] += s_w2
+    fsum[_F_PD2] += s_pd2
+    fsum[_F_PD2 + 1] += s_p
+    fsum[_F_PD2 + 2] += s_q
+    fsum[_F_PD2 + 3] += s_p2
+    fsum[_F_PD2 + 4] += s_q2
+    fsum[_F_PD2 + 5] += s_pq
     cnt[_C_LOW] += n_low
     cnt[_C_TOK2 + 0] += n_k1
     cnt[_C_TOK2 + 1] += n_k2
@@ -252,6 +274,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_k3 = _aligned_f64(_CHUNK)
     b_rm1 = _aligned_f64(_CHUNK)
     b_w = _aligned_f64(_CHUNK)
+    b_r = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
     b_sb = _aligned_i64(_CHUNK)
@@ -279,8 +302,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_on[j] = mask[c0 + j]
         _vector_phase(
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-            b_d, b_k3, b_rm1, b_w, b_score, b_fb, b_sb, b_hb, layouts,
+            b_d, b_k3, b_rm1, b_r, b_score, b_fb, b_sb, b_hb, layouts,
         )  # fmt: skip
+        _vector_phase_verl(x_mu, x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_w)
         for t in range(c0, c1):
             if t == seq_end:
                 if n_s > 0:

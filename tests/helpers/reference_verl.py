@@ -61,10 +61,12 @@ def verl_extras(
     d = [b - a for a, b in zip(mu, pi, strict=True)]
     r = [math.exp(_clamp(x)) for x in d]
     w = [min(x, c) for x in r]
+    # w − 1 without the rounding of w itself (near w = 1 that rounding is what a spread is)
+    wm1 = [min(math.expm1(_clamp(x)), c - 1.0) for x in d]
     row["is_ratio_fraction_low"] = sum(1 for x in r if x < 1.0 / c) / n if n else None
     row["tis_weight_mean"] = _mean(w)
     sc["tis_weight_mean"] = _scale(w)
-    row["tis_weight_std"] = _std(w, 0)
+    row["tis_weight_std"] = _std(wm1, 0)
     sc["tis_weight_std"] = _mean([x * x for x in w]) or 0.0
     row["tis_weight_ess"] = math.fsum(w) ** 2 / (n * math.fsum(x * x for x in w)) if n else None
     p = [math.exp(x) for x in pi]
@@ -116,12 +118,13 @@ def verl_extras(
     row["ppl_ratio"] = _mean(ratio)
     sc["ppl_ratio"] = _scale([x * (1 + a) for x, a in zip(ratio, abs_d, strict=True)])
     wbar = [math.fsum(w[j] for j in g) / len(g) for g in groups]
+    ubar = [math.fsum(wm1[j] for j in g) / len(g) for g in groups]
     rbar = [math.fsum(r[j] for j in g) / len(g) for g in groups]
     row["seq_is_weight_mean"] = _mean(wbar)
-    row["seq_is_weight_std"] = _std(wbar, 1)
+    row["seq_is_weight_std"] = _std(ubar, 1)
     sc["seq_is_weight_std"] = _mean([(x - 1.0) ** 2 for x in wbar]) or 0.0
     row["seq_is_weight_max"] = max(wbar)
     row["seq_is_weight_min"] = min(wbar)
-    row["seq_is_weight_max_deviation"] = max(abs(x - 1.0) for x in wbar)
+    row["seq_is_weight_max_deviation"] = max(abs(x) for x in ubar)
     row["seq_is_ratio_fraction_high"] = sum(1 for x in rbar if x > c) / len(groups)
     row["seq_is_ratio_fraction_low"] = sum(1 for x in rbar if x < 1.0 / c) / len(groups)
