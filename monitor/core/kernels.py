@@ -34,6 +34,7 @@ from timwatch.monitor.core.fastmath import (
     log,
     order_key,
 )
+from timwatch.monitor.core.kernels_seq import VACC, close_segments, segment_pass, start_segments
 from timwatch.monitor.core.layout import C, F, M
 
 __all__ = ["F", "M", "C", "core_kernel", "k3_of"]
@@ -45,12 +46,8 @@ _FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf 
 _C_TOKENS, _C_SEQ, _C_TOK, _C_SEQR = C.tokens, C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
-_F_TIS, _F_PD2, _F_PPL = F.tis_m1, F.pd2, F.ppl_train
-_C_LOW, _C_TOK2, _C_SEQR2, _C_WHI = C.is_low, C.tok_reject2, C.seq_reject2, C.seq_w_high
-_M_LPD_MAX, _M_W_MAX, _M_W_DEV, _M_LPD_MIN, _M_W_MIN = (
-    M.lpd_max, M.seq_w_max, M.seq_w_dev, M.lpd_min, M.seq_w_min,
-)  # fmt: skip
-_EXP_GUARD = 600.0  # perplexity exps: far from overflow even summed over 2^53 sequences
+_F_TIS, _F_PD2 = F.tis_m1, F.pd2
+_C_LOW, _C_TOK2 = C.is_low, C.tok_reject2
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -81,7 +78,7 @@ def _aligned_i64(n):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
-    b_d, b_k3, b_rm1, b_r, b_score, b_fb, b_sb, b_hb, layouts,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
 ):  # fmt: skip
     """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
     the same shape for every chunk whatever the caller's array alignment, so the reassociated
@@ -158,6 +155,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         b_k3[j] = k3
         b_rm1[j] = rm1
         b_r[j] = r
+        b_q[j] = q
         b_score[j] = score
         b_fb[j] = fine_index(ad, ad_lo, ad_oct, ad_sub, ad_last)
         b_sb[j] = fine_index(score, s_lo, s_oct, s_sub, s_last)
@@ -194,7 +192,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase_verl(  # type: ignore[no-untyped-def]
-    x_mu, x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_w,
+    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w,
 ):  # fmt: skip
     """The verl-parity token sums and counts, a second pass over the staged chunk (the first
     pass's code, and so its summation order, stays as it was: rows keep their bits)."""
@@ -209,8 +207,7 @@ def _vector_phase_verl(  # type: ignore[no-untyped-def]
         rm1 = b_rm1[j]
         r = b_r[j]
         dc = min(max(d, -20.0), 20.0)
-        m = x_mu[j] if on else -1.0
-        q = exp(m)
+        q = b_q[j]
         pp = q + q * rm1
         near = abs(d) <= 20.0
         pdiff = abs(pp - q) if near else 0.0
@@ -275,6 +272,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_rm1 = _aligned_f64(_CHUNK)
     b_w = _aligned_f64(_CHUNK)
     b_r = _aligned_f64(_CHUNK)
+    b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
     b_sb = _aligned_i64(_CHUNK)
@@ -289,10 +287,12 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     while s < nseq and cu[s + 1] == 0:
         s += 1
     seq_end = cu[s + 1] if s < nseq else n
-    c_m1 = params[22]
     n_s = 0
-    big_l = k3_s = s_mu = s_pi = s_w = s_wr = s_r = s_k2 = 0.0
-    x_k2 = x_k3 = -1.0
+    big_l = 0.0
+    k3_s = 0.0
+    vst = np.zeros(2, dtype=np.int64)
+    vacc = np.zeros(VACC, dtype=np.float64)
+    start_segments(cu, n, vst)
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
         for j in range(c1 - c0):
@@ -302,9 +302,11 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_on[j] = mask[c0 + j]
         _vector_phase(
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-            b_d, b_k3, b_rm1, b_r, b_score, b_fb, b_sb, b_hb, layouts,
+            b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
         )  # fmt: skip
-        _vector_phase_verl(x_mu, x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_w)
+        _vector_phase_verl(x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w)
+        segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w,
+                     params, fsum, fext, cnt)  # fmt: skip
         for t in range(c0, c1):
             if t == seq_end:
                 if n_s > 0:
@@ -312,11 +314,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
                         n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
                         params,
                     )  # fmt: skip
-                    _close_sequence_verl(n_s, big_l, s_mu, s_pi, s_w, s_wr, s_r, s_k2, k3_s,
-                                         x_k2, x_k3, fsum, fext, cnt, params)  # fmt: skip
                 n_s = 0
-                big_l = k3_s = s_mu = s_pi = s_w = s_wr = s_r = s_k2 = 0.0
-                x_k2 = x_k3 = -1.0
+                big_l = 0.0
+                k3_s = 0.0
                 s += 1
                 while cu[s + 1] == t:
                     s += 1
@@ -328,19 +328,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             ad = abs(d)
             n_s += 1
             big_l += d
-            k3 = b_k3[j]
-            k3_s += k3
-            x_k3 = max(x_k3, k3)
-            rm1 = b_rm1[j]
-            s_r += rm1
-            s_w += min(rm1, c_m1)
-            s_wr += b_w[j]
-            dc = min(max(d, -20.0), 20.0)
-            k2 = 0.5 * dc * dc
-            s_k2 += k2
-            x_k2 = max(x_k2, k2)
-            s_mu += np.float64(mu[t])
-            s_pi += np.float64(pi[t])
+            k3_s += b_k3[j]
             if ad > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped them)
                 m = np.float64(mu[t])
                 p = np.float64(pi[t])
@@ -383,8 +371,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
         _close_sequence(
             n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
         )  # fmt: skip
-        _close_sequence_verl(n_s, big_l, s_mu, s_pi, s_w, s_wr, s_r, s_k2, k3_s, x_k2, x_k3,
-                             fsum, fext, cnt, params)  # fmt: skip
+    close_segments(vacc, fsum, fext, cnt, params)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -418,42 +405,3 @@ def _close_sequence(  # type: ignore[no-untyped-def]
     if k3_s / n_s > kappa:
         cnt[_C_TOK + 7] += n_s
         cnt[_C_SEQR + 2] += 1
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _close_sequence_verl(  # type: ignore[no-untyped-def]
-    n_s, big_l, s_mu, s_pi, s_w, s_wr, s_r, s_k2, s_k3, x_k2, x_k3, fsum, fext, cnt, params,
-):  # fmt: skip
-    """verl's per-sequence statistics (perplexities, mean IS weights) and its five sequence
-    rejection modes, for one sequence with n_s > 0 masked tokens."""
-    g = (0.0 - big_l) / n_s  # log-perplexity difference mean μ − mean π (+0.0, never −0.0)
-    fsum[_F_PPL + 4] += g
-    fsum[_F_PPL + 5] += abs(g)
-    fsum[_F_PPL + 6] += math.exp(min(max(g, -_EXP_GUARD), _EXP_GUARD))
-    fext[_M_LPD_MAX] = max(fext[_M_LPD_MAX], g)
-    fext[_M_LPD_MIN] = min(fext[_M_LPD_MIN], g)
-    lp_train = (0.0 - s_pi) / n_s
-    lp_roll = (0.0 - s_mu) / n_s
-    fsum[_F_PPL + 0] += math.exp(min(lp_train, _EXP_GUARD))
-    fsum[_F_PPL + 1] += lp_train
-    fsum[_F_PPL + 2] += math.exp(min(lp_roll, _EXP_GUARD))
-    fsum[_F_PPL + 3] += lp_roll
-    u = s_w / n_s  # mean truncated weight − 1 (moments); the mean itself for sum and extrema
-    wbar = s_wr / n_s
-    fsum[_F_PPL + 7] += u
-    fsum[_F_PPL + 8] += u * u
-    fsum[_F_PPL + 9] += wbar
-    fext[_M_W_MAX] = max(fext[_M_W_MAX], wbar)
-    fext[_M_W_MIN] = min(fext[_M_W_MIN], wbar)
-    fext[_M_W_DEV] = max(fext[_M_W_DEV], abs(u))
-    raw = s_r / n_s  # mean raw weight − 1
-    cnt[_C_WHI] += raw > params[22]
-    cnt[_C_WHI + 1] += raw < params[23]
-    rejects = (
-        s_k2 > params[16], s_k3 > params[17], s_k2 / n_s > params[18], x_k2 > params[19],
-        x_k3 > params[20],
-    )  # fmt: skip
-    for i in range(5):
-        if rejects[i]:
-            cnt[_C_TOK2 + 3 + i] += n_s
-            cnt[_C_SEQR2 + i] += 1
