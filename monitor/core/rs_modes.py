@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.masks import (
-    PolicyParams,
+from timwatch.monitor.core.mask_ops import (
     _clamp,
     _expand,
     _f64,
@@ -123,9 +122,9 @@ def verl_keep_mask(
     logp_rollout: Array,
     cu_seqlens: Array,
     loss_mask: Array,
-    p: PolicyParams,
+    p: Any,
 ) -> Array:
-    """The keep mask of one verl mode by name, with the thresholds of `p`."""
+    """The keep mask of one verl mode by name, with the thresholds of `p` (a PolicyParams)."""
     if name == "token_k1":
         return token_k1_keep_mask(logp_train, logp_rollout, p.token_k1_lower, p.token_k1_upper)
     if name == "token_k2":
