@@ -17,8 +17,7 @@ from tests.helpers.verl_transcript import verl_metrics
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.masks import PolicyParams
-from timwatch.monitor.core.row import derive_row
-from timwatch.monitor.store.models import VERL_COLUMNS
+from timwatch.monitor.core.row import SCALAR_METRICS, derive_row
 
 # verl's name → ours (row key, or (row dict, key))
 PAIRS: dict[str, Any] = {
@@ -119,15 +118,18 @@ def test_matches_verl_definitions(seed: int, scale: float) -> None:
     assert len(split) >= 3, row["mask_ratio"]  # modes split the batch: not a vacuous comparison
 
 
-def test_fp16_regime_new_metrics_to_1e12() -> None:
-    """|δ| ≈ 1e-4: every verl-parity metric within 1e-12 relative of the float64 reference
-    (variances compared as variances, to 1e-12 of E[x²]-scaled cancellation)."""
+def test_fp16_regime_every_metric_to_1e12() -> None:
+    """|δ| ≈ 1e-4: every scalar metric within 1e-12 relative of the float64 reference (the p99
+    is a histogram reading, checked to its resolution in test_engine; new spreads compared as
+    variances, to 1e-12 of E[x²]-scaled cancellation)."""
     rng = np.random.default_rng(48)
     for _ in range(3):
         raw = fp16_like_batch(rng)
         got = derive_row(accumulate(Batch.from_arrays(**raw.from_arrays_kwargs()))).to_dict()
         want, sc = reference(raw.arrays, params=RefParams())
-        for name in VERL_COLUMNS:
+        for name in SCALAR_METRICS:
+            if name == "log_ratio_abs_p99" or name not in want:  # step, batches: metadata
+                continue
             g, w = got[name], want[name]
             if w is None:
                 assert g is None, name
