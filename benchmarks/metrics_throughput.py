@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 from numba import njit  # noqa: E402
 
 from timwatch.monitor.core import kernels as K  # noqa: E402
+from timwatch.monitor.core import kernels_seq as KS  # noqa: E402
 from timwatch.monitor.core.accumulator import Accumulator  # noqa: E402
 from timwatch.monitor.core.batch import Batch  # noqa: E402
 from timwatch.monitor.core.engine import accumulate  # noqa: E402
@@ -169,14 +170,18 @@ def torch_subset(b: Batch, p: PolicyParams) -> Callable[[], object]:
 
 
 @njit(cache=True, nogil=True)
-def _kernel_prefix(mu, pi, ent, mask, params, fsum, fext, cnt, layouts, stop):  # type: ignore[no-untyped-def]
-    """The kernel's chunk loop up to `stop` (0: staging, 1: + first pass, 2: + verl pass)."""
+def _kernel_prefix(cu, mu, pi, ent, mask, params, fsum, fext, cnt, layouts, stop):  # type: ignore[no-untyped-def]  # noqa: E501
+    """The kernel's chunk loop up to `stop` (0: staging, 1: + first vector pass, 2: + verl
+    vector pass, 3: + per-sequence segment sums); the rest of the kernel is the scalar walk."""
     chunk = K._CHUNK
     x_mu, x_pi, x_h = K._aligned_f64(chunk), K._aligned_f64(chunk), K._aligned_f64(chunk)
     x_on = K._aligned_i64(chunk)
-    f = [K._aligned_f64(chunk) for _ in range(8)]
-    g = [K._aligned_i64(chunk) for _ in range(4)]
+    f = [K._aligned_f64(chunk) for _ in range(7)]
+    g = [K._aligned_i64(chunk) for _ in range(3)]
+    vst = np.zeros(2, dtype=np.int64)
+    vacc = np.zeros(KS.VACC, dtype=np.float64)
     n = mu.shape[0]
+    KS.start_segments(cu, n, vst)
     for c0 in range(0, n, chunk):
         c1 = min(c0 + chunk, n)
         for j in range(c1 - c0):
@@ -187,12 +192,17 @@ def _kernel_prefix(mu, pi, ent, mask, params, fsum, fext, cnt, layouts, stop):  
         if stop >= 1:
             K._vector_phase(
                 x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-                f[0], f[1], f[2], f[3], f[4], f[5], g[0], f[6], g[1], g[2], g[3], layouts,
+                f[0], f[1], f[2], f[3], f[4], f[5], g[0], g[1], g[2], layouts,
             )  # fmt: skip
         if stop >= 2:
             K._vector_phase_verl(
-                x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4], f[7]
+                x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4], f[6]
             )
+        if stop >= 3:
+            KS.segment_pass(
+                cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, f[0], f[1], f[2], f[6],
+                params, fsum, fext, cnt,
+            )  # fmt: skip
 
 
 def breakdown(b: Batch, p: PolicyParams, repeat: int, clock: Callable[[], float]) -> None:
@@ -202,7 +212,7 @@ def breakdown(b: Batch, p: PolicyParams, repeat: int, clock: Callable[[], float]
     acc = accumulate(b, p, threads=1)
     pv = p.kernel_vector()
     scratch = Accumulator(params=p)
-    arrays = (b.logp_rollout, b.logp_train, b.entropy, b.loss_mask)
+    arrays = (b.cu_seqlens, b.logp_rollout, b.logp_train, b.entropy, b.loss_mask)
 
     def parts(stop: int) -> None:
         _kernel_prefix(*arrays, pv, scratch.fsum, scratch.fext, scratch.cnt, _LAYOUTS, stop)
@@ -210,6 +220,7 @@ def breakdown(b: Batch, p: PolicyParams, repeat: int, clock: Callable[[], float]
     t_stage = best_of(lambda: parts(0), repeat, clock)
     t_first = best_of(lambda: parts(1), repeat, clock)
     t_verl = best_of(lambda: parts(2), repeat, clock)
+    t_seg = best_of(lambda: parts(3), repeat, clock)
     t_kernel = best_of(lambda: _run_kernel(b, p, 0, b.num_sequences), repeat, clock)
     t_full = best_of(lambda: derive_row(accumulate(b, p, threads=1)), repeat, clock)
     t_opt = best_of(lambda: _optional_inputs(b, acc), repeat, clock)
@@ -217,7 +228,8 @@ def breakdown(b: Batch, p: PolicyParams, repeat: int, clock: Callable[[], float]
         ("staging copy (float32 -> aligned float64)", t_stage),
         ("first vector pass (original catalog)", t_first - t_stage),
         ("verl-parity vector pass", t_verl - t_first),
-        ("scalar walk (sequences, scatters, top-k)", t_kernel - t_verl),
+        ("verl per-sequence segment sums", t_seg - t_verl),
+        ("scalar walk (sequences, scatters, top-k)", t_kernel - t_seg),
         ("outside the kernel (split, top-k, optional, row)", t_full - t_kernel),
     )
     print("where the time goes (one thread, parts measured alone):")
