@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from timwatch.cli import app
-from timwatch.monitor.core import masks
+from timwatch.monitor.core import masks, rs_modes
 from timwatch.monitor.core.masks import POLICIES, SEQUENCE_POLICIES, PolicyParams
 
 from .common import code, merge_check, num, table
@@ -30,7 +30,7 @@ def _rules() -> str:
     rows = []
     for policy in POLICIES:
         rule, source, function = POLICY_RULES[policy]
-        if not callable(getattr(masks, function, None)):
+        if not callable(getattr(masks, function, None) or getattr(rs_modes, function, None)):
             raise ValueError(f"tables.POLICY_RULES[{policy!r}] names no function {function!r}")
         kind = "sequence" if policy in SEQUENCE_POLICIES else "token"
         rows.append([code(policy), kind, rule, _defaults(policy), code(function), source])

@@ -216,6 +216,98 @@ METRICS: dict[str, tuple[str, str]] = {
         ),
         "",
     ),
+    "is_ratio_fraction_low": (
+        "share of T with r < 1/C (C = `tis_c`); the high side is `mask_ratio.tis` "
+        "(verl `rollout_is_ratio_fraction_low`)",
+        "",
+    ),
+    "tis_weight_mean": (
+        "mean of the truncated weight w = min(r, C) (verl `rollout_is_mean`, token TIS)",
+        "≈ 1",
+    ),
+    "tis_weight_std": (
+        "population std of w = min(r, C) (verl `rollout_is_std`); `is_ratio_std` is on raw r",
+        "",
+    ),
+    "tis_weight_ess": (
+        "(Σw)² / (N Σw²) on w = min(r, C) (verl `rollout_is_eff_sample_size`); `is_ess` is on "
+        "raw r",
+        "",
+    ),
+    "prob_abs_diff_std": (
+        "sample std (N − 1) of |e^π − e^μ|; null for N < 2 "
+        "(verl `training/rollout_probs_diff_std`)",
+        "",
+    ),
+    "prob_pearson_corr": (
+        "Pearson(e^π, e^μ) over T; null for N < 2 or a zero variance "
+        "(verl `training/rollout_actor_probs_pearson_corr`)",
+        "≈ 1",
+    ),
+    "training_log_ppl": (
+        "mean over sequences of −mean_s π (verl `training_log_ppl`)",
+        "",
+    ),
+    "rollout_log_ppl": (
+        "mean over sequences of −mean_s μ (verl `rollout_log_ppl`)",
+        "",
+    ),
+    "training_ppl": (
+        "mean over sequences of exp(−mean_s π), exponent capped at 600 (verl `training_ppl`)",
+        "",
+    ),
+    "rollout_ppl": (
+        "mean over sequences of exp(−mean_s μ), exponent capped at 600 (verl `rollout_ppl`)",
+        "",
+    ),
+    "log_ppl_diff": (
+        "mean over sequences of g_s = mean_s μ − mean_s π = −L_s / n_s (verl `log_ppl_diff`)",
+        "≈ 0",
+    ),
+    "log_ppl_abs_diff": (
+        "mean over sequences of |g_s| (verl `log_ppl_abs_diff`)",
+        "",
+    ),
+    "log_ppl_diff_max": (
+        "max over sequences of g_s (verl `log_ppl_diff_max`)",
+        "",
+    ),
+    "log_ppl_diff_min": (
+        "min over sequences of g_s (verl `log_ppl_diff_min`)",
+        "",
+    ),
+    "ppl_ratio": (
+        "mean over sequences of exp(clip(g_s, ±600)) (verl `ppl_ratio`)",
+        "≈ 1",
+    ),
+    "seq_is_weight_mean": (
+        "mean over sequences of w̄_s = mean_s min(r, C) (verl `rollout_is_seq_mean`)",
+        "",
+    ),
+    "seq_is_weight_std": (
+        "sample std (S − 1) of w̄_s; null for one sequence (verl `rollout_is_seq_std`)",
+        "",
+    ),
+    "seq_is_weight_max": (
+        "max over sequences of w̄_s (verl `rollout_is_seq_max`)",
+        "",
+    ),
+    "seq_is_weight_min": (
+        "min over sequences of w̄_s (verl `rollout_is_seq_min`)",
+        "",
+    ),
+    "seq_is_weight_max_deviation": (
+        "max over sequences of |w̄_s − 1| (verl `rollout_is_seq_max_deviation`)",
+        "",
+    ),
+    "seq_is_ratio_fraction_high": (
+        "share of sequences whose mean raw r is > C (verl `rollout_is_seq_fraction_high`)",
+        "",
+    ),
+    "seq_is_ratio_fraction_low": (
+        "share of sequences whose mean raw r is < 1/C (verl `rollout_is_seq_fraction_low`)",
+        "",
+    ),
     "mask_ratio": (
         "per policy: rejected masked tokens / N (shadow evaluation of every policy)",
         "< 1 % for estr and icepop",
@@ -242,7 +334,8 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
 }
 
-#: policy → (keeps a token or sequence iff, its origin, its function in core/masks.py)
+#: policy → (keeps a token or sequence iff, its origin, its function in core/masks.py or
+#: core/rs_modes.py)
 POLICY_RULES: dict[str, tuple[str, str, str]] = {
     "estr": (
         "δ² ≤ τ(H + ε): the trust region widens with the token's entropy",
@@ -283,5 +376,45 @@ POLICY_RULES: dict[str, tuple[str, str, str]] = {
         "mean_{t∈s} k3_t ≤ κ",
         "verl K3-RS",
         "k3_rs_keep_mask",
+    ),
+    "token_k1": (
+        "ln(lo) ≤ −δc ≤ ln(hi): bounds on 1/r, as verl's `token_k1` mode",
+        "verl rejection sampling (`rollout_rs`)",
+        "token_k1_keep_mask",
+    ),
+    "token_k2": (
+        "δc²/2 ≤ t",
+        "verl rejection sampling (`rollout_rs`)",
+        "token_k2_keep_mask",
+    ),
+    "token_k3": (
+        "k3 ≤ t",
+        "verl rejection sampling (`rollout_rs`)",
+        "token_k3_keep_mask",
+    ),
+    "seq_sum_k2": (
+        "Σ_{t∈s} δc²/2 ≤ t",
+        "verl rejection sampling (`rollout_rs`)",
+        "seq_sum_k2_keep_mask",
+    ),
+    "seq_sum_k3": (
+        "Σ_{t∈s} k3_t ≤ t",
+        "verl rejection sampling (`rollout_rs`)",
+        "seq_sum_k3_keep_mask",
+    ),
+    "seq_mean_k2": (
+        "mean_{t∈s} δc²/2 ≤ t",
+        "verl rejection sampling (`rollout_rs`)",
+        "seq_mean_k2_keep_mask",
+    ),
+    "seq_max_k2": (
+        "max_{t∈s} δc²/2 ≤ t",
+        "verl rejection sampling (`rollout_rs`)",
+        "seq_max_k2_keep_mask",
+    ),
+    "seq_max_k3": (
+        "max_{t∈s} k3_t ≤ t",
+        "verl rejection sampling (`rollout_rs`)",
+        "seq_max_k3_keep_mask",
     ),
 }

@@ -42,7 +42,7 @@ def _zeros_f(*shape: int) -> F64:
 
 def _initial_extrema() -> F64:
     ext = np.full(M.size, -math.inf, dtype=np.float64)
-    ext[[M.ad, M.pdiff, M.seq_abs_l]] = 0.0
+    ext[list(M.ZERO_START)] = 0.0
     ext[list(M.MINIMA)] = math.inf
     return ext
 
@@ -129,11 +129,56 @@ class Accumulator:
 
     @property
     def masked_tokens(self) -> dict[str, int]:
-        return {p: int(self.cnt[C.tok_reject + i]) for i, p in enumerate(POLICIES)}
+        return {p: int(self.cnt[C.tok(i)]) for i, p in enumerate(POLICIES)}
 
     @property
     def rejected_sequences(self) -> dict[str, int]:
-        return {p: int(self.cnt[C.seq_reject + i]) for i, p in enumerate(SEQUENCE_POLICIES)}
+        return {p: int(self.cnt[C.seq(i)]) for i, p in enumerate(SEQUENCE_POLICIES)}
+
+    @property
+    def sum_tis_weight(self) -> float:
+        return float(self.fsum[F.tis_w])
+
+    @property
+    def sum_prob_abs_diff(self) -> float:
+        return float(self.fsum[F.pdiff])
+
+    @property
+    def sum_training_log_ppl(self) -> float:
+        return float(self.fsum[F.log_ppl_train])
+
+    @property
+    def sum_rollout_log_ppl(self) -> float:
+        return float(self.fsum[F.log_ppl_roll])
+
+    @property
+    def sum_log_ppl_diff(self) -> float:
+        return float(self.fsum[F.lpd])
+
+    @property
+    def sum_training_ppl(self) -> float:
+        return float(self.fsum[F.ppl_train])
+
+    @property
+    def sum_rollout_ppl(self) -> float:
+        return float(self.fsum[F.ppl_roll])
+
+    @property
+    def sum_ppl_ratio(self) -> float:
+        return float(self.fsum[F.ppl_ratio])
+
+    @property
+    def sum_seq_is_weight(self) -> float:
+        return float(self.fsum[F.seq_w])
+
+    @property
+    def is_ratio_low_tokens(self) -> int:
+        return int(self.cnt[C.is_low])
+
+    @property
+    def seq_is_ratio_out_of_bounds(self) -> dict[str, int]:
+        """Sequences whose mean raw IS ratio is above C ("high") or below 1/C ("low")."""
+        return {"high": int(self.cnt[C.seq_w_high]), "low": int(self.cnt[C.seq_w_low])}
 
     def abs_log_ratio_buckets(self) -> list[tuple[float, int]]:
         return _cumulative(ABS_LOG_RATIO_BUCKETS, self.prom_ad)
@@ -205,8 +250,10 @@ class Accumulator:
             current = getattr(acc, f.name)
             if f.name == "hist_ad":
                 current[np.asarray(value[0], dtype=np.int64)] = value[1]
-            elif f.name == "fext":
-                acc.fext = np.array([float(v) for v in value], dtype=np.float64)
+            elif f.name == "fext":  # a shorter (older layout) state keeps the initial tail
+                acc.fext[: len(value)] = [float(v) for v in value]
+            elif f.name in ("fsum", "cnt"):
+                current[: len(value)] = value
             elif isinstance(current, np.ndarray):
                 setattr(acc, f.name, np.asarray(value, dtype=current.dtype).reshape(current.shape))
             elif f.name == "lag_buckets":

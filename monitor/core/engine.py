@@ -178,6 +178,11 @@ def _worst_tokens(batch: Batch, score: np.ndarray, index: np.ndarray) -> list[di
 
 def _optional_inputs(batch: Batch, acc: Accumulator) -> None:
     """Metrics of the optional inputs: absent inputs leave their counters at zero (→ null)."""
+    if all(
+        getattr(batch, name) is None
+        for name in ("versions", "token_ids", "logp_old", "logp_teacher")
+    ):
+        return  # nothing to compute: skip converting the mask and μ (~2 ms per 1M tokens)
     mask = batch.loss_mask.astype(bool)
     if not mask.any():
         return
@@ -186,8 +191,8 @@ def _optional_inputs(batch: Batch, acc: Accumulator) -> None:
     if batch.token_ids is not None and batch.token_ids_train is not None:
         acc.tid_tokens = int(mask.sum())
         acc.tid_mismatch = int(np.count_nonzero((batch.token_ids != batch.token_ids_train) & mask))
-    mu = batch.logp_rollout[mask].astype(np.float64)
     if batch.logp_old is not None:
+        mu = batch.logp_rollout[mask].astype(np.float64)
         old = batch.logp_old[mask].astype(np.float64)
         pi = batch.logp_train[mask].astype(np.float64)
         ones = np.ones(mu.shape[0], dtype=np.uint8)

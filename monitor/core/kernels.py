@@ -34,6 +34,7 @@ from timwatch.monitor.core.fastmath import (
     log,
     order_key,
 )
+from timwatch.monitor.core.kernels_seq import VACC, close_segments, segment_pass, start_segments
 from timwatch.monitor.core.layout import C, F, M
 
 __all__ = ["F", "M", "C", "core_kernel", "k3_of"]
@@ -45,6 +46,8 @@ _FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf 
 _C_TOKENS, _C_SEQ, _C_TOK, _C_SEQR = C.tokens, C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
+_F_TIS, _F_PD2 = F.tis_m1, F.pd2
+_C_LOW, _C_TOK2 = C.is_low, C.tok_reject2
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -75,7 +78,7 @@ def _aligned_i64(n):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
-    b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
 ):  # fmt: skip
     """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
     the same shape for every chunk whatever the caller's array alignment, so the reassociated
@@ -150,6 +153,9 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_kpop += near & _kpop_reject(pp, q, p, m, phi)
         b_d[j] = d
         b_k3[j] = k3
+        b_rm1[j] = rm1
+        b_r[j] = r
+        b_q[j] = q
         b_score[j] = score
         b_fb[j] = fine_index(ad, ad_lo, ad_oct, ad_sub, ad_last)
         b_sb[j] = fine_index(score, s_lo, s_oct, s_sub, s_last)
@@ -184,6 +190,64 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 4] += n_tis
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+def _vector_phase_verl(  # type: ignore[no-untyped-def]
+    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w,
+):  # fmt: skip
+    """The verl-parity token sums and counts, a second pass over the staged chunk (the first
+    pass's code, and so its summation order, stays as it was: rows keep their bits)."""
+    tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
+    c_tis, c_m1 = params[21], params[22]
+    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
+    n_low = n_k1 = n_k2 = n_k3 = 0
+    for j in range(n):
+        on = x_on[j] != 0
+        w = 1.0 if on else 0.0
+        d = b_d[j]
+        rm1 = b_rm1[j]
+        r = b_r[j]
+        dc = min(max(d, -20.0), 20.0)
+        q = b_q[j]
+        pp = q + q * rm1
+        near = abs(d) <= 20.0
+        pdiff = abs(pp - q) if near else 0.0
+        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
+        pw = wn * pp
+        qw = wn * q
+        wm1 = min(rm1, c_m1)
+        wt = min(r, c_tis)
+        k3 = b_k3[j]
+        s_wm1 += wm1
+        s_wm1sq += wm1 * wm1
+        s_w += w * wt
+        s_w2 += w * (wt * wt)
+        s_pd2 += pdiff * pdiff
+        s_p += pw
+        s_q += qw
+        s_p2 += pw * pp
+        s_q2 += qw * q
+        s_pq += pw * q
+        n_low += on & (dc < -tis_c)
+        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
+        n_k2 += 0.5 * dc * dc > t_k2
+        n_k3 += k3 > t_k3
+        b_w[j] = wt
+    fsum[_F_TIS] += s_wm1
+    fsum[_F_TIS + 1] += s_wm1sq
+    fsum[_F_TIS + 2] += s_w
+    fsum[_F_TIS + 3] += s_w2
+    fsum[_F_PD2] += s_pd2
+    fsum[_F_PD2 + 1] += s_p
+    fsum[_F_PD2 + 2] += s_q
+    fsum[_F_PD2 + 3] += s_p2
+    fsum[_F_PD2 + 4] += s_q2
+    fsum[_F_PD2 + 5] += s_pq
+    cnt[_C_LOW] += n_low
+    cnt[_C_TOK2 + 0] += n_k1
+    cnt[_C_TOK2 + 1] += n_k2
+    cnt[_C_TOK2 + 2] += n_k3
+
+
 @njit(cache=True, nogil=True, error_model="numpy")
 def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, mu, pi, ent, mask, params,
@@ -195,7 +259,6 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
 ):  # fmt: skip
     """Fill the accumulators from one packed batch (see core.accumulator for the layout)."""
     tau, eps, phi = params[0], params[1], params[5]
-    mis_lo, mis_hi, geo_lo, geo_hi, kappa = params[7], params[8], params[9], params[10], params[11]
     n_ad_edges = ad_edges.shape[0]
     n_s_edges = s_edges.shape[0]
     n_h = h_edges.shape[0]
@@ -206,6 +269,10 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     x_on = _aligned_i64(_CHUNK)
     b_d = _aligned_f64(_CHUNK)
     b_k3 = _aligned_f64(_CHUNK)
+    b_rm1 = _aligned_f64(_CHUNK)
+    b_w = _aligned_f64(_CHUNK)
+    b_r = _aligned_f64(_CHUNK)
+    b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
     b_sb = _aligned_i64(_CHUNK)
@@ -223,6 +290,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     n_s = 0
     big_l = 0.0
     k3_s = 0.0
+    vst = np.zeros(2, dtype=np.int64)
+    vacc = np.zeros(VACC, dtype=np.float64)
+    start_segments(cu, n, vst)
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
         for j in range(c1 - c0):
@@ -232,14 +302,17 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_on[j] = mask[c0 + j]
         _vector_phase(
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-            b_d, b_k3, b_score, b_fb, b_sb, b_hb, layouts,
+            b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
         )  # fmt: skip
+        _vector_phase_verl(x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w)
+        segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w,
+                     params, fsum, fext, cnt)  # fmt: skip
         for t in range(c0, c1):
             if t == seq_end:
                 if n_s > 0:
                     _close_sequence(
                         n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-                        mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+                        params,
                     )  # fmt: skip
                 n_s = 0
                 big_l = 0.0
@@ -260,10 +333,17 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
                 m = np.float64(mu[t])
                 p = np.float64(pi[t])
                 q = math.exp(m)
-                pdiff = abs(math.exp(p) - q)
+                ep = math.exp(p)
+                pdiff = abs(ep - q)
                 fsum[10] += pdiff
                 fext[1] = max(fext[1], pdiff)
-                cnt[_C_TOK + 3] += _kpop_reject(math.exp(p), q, p, m, phi)
+                cnt[_C_TOK + 3] += _kpop_reject(ep, q, p, m, phi)
+                fsum[_F_PD2] += pdiff * pdiff
+                fsum[_F_PD2 + 1] += ep
+                fsum[_F_PD2 + 2] += q
+                fsum[_F_PD2 + 3] += ep * ep
+                fsum[_F_PD2 + 4] += q * q
+                fsum[_F_PD2 + 5] += ep * q
             fb = b_fb[j]
             hist_ad[fb] += 1
             c = ad_table[fb]
@@ -289,17 +369,17 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
                         wmin = i
     if n_s > 0:
         _close_sequence(
-            n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-            mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+            n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
         )  # fmt: skip
+    close_segments(vacc, fsum, fext, cnt, params)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def _close_sequence(  # type: ignore[no-untyped-def]
-    n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-    mis_lo, mis_hi, geo_lo, geo_hi, kappa,
+    n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
 ):  # fmt: skip
     """Sequence statistics, length bucket and sequence-policy decisions of one sequence."""
+    mis_lo, mis_hi, geo_lo, geo_hi, kappa = params[7], params[8], params[9], params[10], params[11]
     cnt[_C_SEQ] += 1
     abs_l = abs(big_l)
     fsum[_F_SEQ_ABS_L] += abs_l

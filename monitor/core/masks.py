@@ -9,21 +9,37 @@ gives numpy and torch bit-identical decisions. The engine's fused kernel applies
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from timwatch.monitor.core.mask_ops import (  # CLAMP: re-exported for core.row
+    CLAMP,
+    _clamp,
+    _expand,
+    _f64,
+    _is_torch,
+    _quiet,
+    _seq_stats,
+    _seq_sum,
+    log_ratio,
+    token_k3,
+)
+from timwatch.monitor.core.rs_modes import verl_keep_mask
 
 if TYPE_CHECKING:
     from timwatch.monitor.core.batch import Batch
 
 __all__ = [
+    "CLAMP",
     "POLICIES",
     "SEQUENCE_POLICIES",
     "TOKEN_POLICIES",
+    "VERL_SEQUENCE_POLICIES",
+    "VERL_TOKEN_POLICIES",
     "PolicyParams",
     "delta_abs_keep_mask",
     "estr_keep_mask",
@@ -39,10 +55,16 @@ __all__ = [
     "token_k3",
 ]
 
-TOKEN_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis")
-SEQUENCE_POLICIES = ("seq_mis", "geo_rs", "k3_rs")
-POLICIES = TOKEN_POLICIES + SEQUENCE_POLICIES
-CLAMP = 20.0
+#: verl's rejection-sampling modes (rollout_corr_helper) that the original eight do not cover
+VERL_TOKEN_POLICIES = ("token_k1", "token_k2", "token_k3")
+VERL_SEQUENCE_POLICIES = ("seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
+TOKEN_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis", *VERL_TOKEN_POLICIES)
+SEQUENCE_POLICIES = ("seq_mis", "geo_rs", "k3_rs", *VERL_SEQUENCE_POLICIES)
+#: the original eight first (their accumulator slots and store columns never move), then verl's
+POLICIES = (
+    "estr", "delta_abs", "icepop", "kpop", "tis", "seq_mis", "geo_rs", "k3_rs",
+    *VERL_TOKEN_POLICIES, *VERL_SEQUENCE_POLICIES,
+)  # fmt: skip
 P_MIN, P_MAX = 1e-8, 1.0 - 1e-8
 Array = Any  # numpy.ndarray or torch.Tensor
 
@@ -70,12 +92,31 @@ class PolicyParams:
     geo_rs_low: float = _param(0.999, "geo_rs", "Geo-RS lower bound on e^(L/n)")
     geo_rs_high: float = _param(1.001, "geo_rs", "Geo-RS upper bound on e^(L/n)")
     k3_rs_kappa: float = _param(0.01, "k3_rs", "K3-RS κ: keep iff the sequence's mean k3 ≤ κ")
+    token_k1_lower: float = _param(
+        0.6, "token_k1", "token_k1 lower ratio bound: keep iff ln lo ≤ −δc"
+    )
+    token_k1_upper: float = _param(
+        1.6, "token_k1", "token_k1 upper ratio bound: keep iff −δc ≤ ln hi"
+    )
+    token_k2_upper: float = _param(2.5, "token_k2", "token_k2: keep iff δc²/2 ≤ this")
+    token_k3_upper: float = _param(2.5, "token_k3", "token_k3: keep iff k3 ≤ this")
+    seq_sum_k2_upper: float = _param(2.5, "seq_sum_k2", "seq_sum_k2: keep iff Σ_s δc²/2 ≤ this")
+    seq_sum_k3_upper: float = _param(2.5, "seq_sum_k3", "seq_sum_k3: keep iff Σ_s k3 ≤ this")
+    seq_mean_k2_upper: float = _param(
+        0.01, "seq_mean_k2", "seq_mean_k2: keep iff mean_s δc²/2 ≤ this"
+    )
+    seq_max_k2_upper: float = _param(2.5, "seq_max_k2", "seq_max_k2: keep iff max_s δc²/2 ≤ this")
+    seq_max_k3_upper: float = _param(2.5, "seq_max_k3", "seq_max_k3: keep iff max_s k3 ≤ this")
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"policy parameter {name} must be a positive number, got {value}")
-        for lo, hi in (("icepop_low", "icepop_high"), ("seq_mis_low", "seq_mis_high")):
+        for lo, hi in (
+            ("icepop_low", "icepop_high"),
+            ("seq_mis_low", "seq_mis_high"),
+            ("token_k1_lower", "token_k1_upper"),
+        ):
             if getattr(self, lo) >= getattr(self, hi):
                 raise ValueError(f"{lo} must be below {hi}")
         if self.geo_rs_low >= self.geo_rs_high:
@@ -97,54 +138,21 @@ class PolicyParams:
                 math.log(self.geo_rs_low),
                 math.log(self.geo_rs_high),
                 self.k3_rs_kappa,
+                math.log(self.token_k1_lower),
+                math.log(self.token_k1_upper),
+                self.token_k2_upper,
+                self.token_k3_upper,
+                self.seq_sum_k2_upper,
+                self.seq_sum_k3_upper,
+                self.seq_mean_k2_upper,
+                self.seq_max_k2_upper,
+                self.seq_max_k3_upper,
+                self.tis_c,
+                self.tis_c - 1.0,
+                1.0 / self.tis_c - 1.0,
             ],
             dtype=np.float64,
         )
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _quiet(fn: _F) -> _F:
-    """Overflow to inf on extreme (masked-out) inputs is expected and decides correctly."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
-def _f64(x: Array) -> Array:
-    if _is_torch(x):
-        return x.double()
-    return np.asarray(x, dtype=np.float64)
-
-
-def log_ratio(logp_train: Array, logp_rollout: Array) -> Array:
-    """δ = π − μ in float64."""
-    return _f64(logp_train) - _f64(logp_rollout)
-
-
-def _clamp(d: Array) -> Array:
-    return d.clamp(-CLAMP, CLAMP) if _is_torch(d) else np.clip(d, -CLAMP, CLAMP)
-
-
-@_quiet
-def token_k3(d: Array) -> Array:
-    """k3 = expm1(δc) − δc, by series below |δ| = 1e-2 where the subtraction would cancel."""
-    series = d * d * (0.5 + d * (1 / 6 + d * (1 / 24 + d * (1 / 120 + d * (1 / 720 + d / 5040)))))
-    dc = _clamp(d)
-    if _is_torch(d):
-        import torch
-
-        return torch.where(d.abs() < 1e-2, series, torch.expm1(dc) - dc)
-    return np.where(np.abs(d) < 1e-2, series, np.expm1(dc) - dc)
 
 
 @_quiet
@@ -203,44 +211,6 @@ def kpop_keep_mask(logp_train: Array, logp_rollout: Array, phi: float = 0.1) -> 
     d_pq = p * (lp - lq) + (1.0 - p) * lam
     d_qp = q * (lq - lp) - (1.0 - q) * lam
     return (d_pq <= phi) & (d_qp <= phi)
-
-
-def _segments(cu_seqlens: Array, n: int) -> tuple[Array, int]:
-    """Sequence id of every position, and the number of sequences."""
-    if _is_torch(cu_seqlens):
-        import torch
-
-        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        nseq = int(lengths.shape[0])
-        ids = torch.repeat_interleave(torch.arange(nseq, device=cu_seqlens.device), lengths)
-        return ids, nseq
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    return np.repeat(np.arange(cu.shape[0] - 1), np.diff(cu)), cu.shape[0] - 1
-
-
-def _seq_sum(values: Array, ids: Array, nseq: int) -> Array:
-    if _is_torch(values):
-        import torch
-
-        out = torch.zeros(nseq, dtype=values.dtype, device=values.device)
-        return out.index_add_(0, ids, values)
-    return np.bincount(ids, weights=values, minlength=nseq)
-
-
-def _seq_stats(
-    logp_train: Array, logp_rollout: Array, cu_seqlens: Array, loss_mask: Array
-) -> tuple[Array, Array, Array, Array]:
-    """(L_s, n_s, per-position sequence id, δ) over masked tokens."""
-    d = log_ratio(logp_train, logp_rollout)
-    ids, nseq = _segments(cu_seqlens, d.shape[0])
-    m = _f64(loss_mask)
-    return _seq_sum(d * m, ids, nseq), _seq_sum(m, ids, nseq), ids, d
-
-
-def _expand(seq_keep: Array, n_s: Array, ids: Array) -> Array:
-    """Broadcast sequence decisions to positions; sequences without masked tokens are kept."""
-    keep = seq_keep | (n_s == 0)
-    return keep[ids]
 
 
 @_quiet
@@ -312,6 +282,8 @@ def keep_masks(
             out[name] = geo_rs_keep_mask(*seq_args, p.geo_rs_low, p.geo_rs_high)
         elif name == "k3_rs":
             out[name] = k3_rs_keep_mask(*seq_args, p.k3_rs_kappa)
+        elif name in VERL_TOKEN_POLICIES or name in VERL_SEQUENCE_POLICIES:
+            out[name] = verl_keep_mask(name, lt, lr, batch.cu_seqlens, batch.loss_mask, p)
         else:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     return out

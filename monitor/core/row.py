@@ -19,7 +19,7 @@ from timwatch.monitor.core.histograms import (
     HEATMAP_ENTROPY_EDGES,
     fine_quantile,
 )
-from timwatch.monitor.core.layout import F, M
+from timwatch.monitor.core.layout import C, F, M
 from timwatch.monitor.core.masks import CLAMP
 
 __all__ = ["MetricRow", "SCALAR_METRICS", "derive_row"]
@@ -67,6 +67,28 @@ class MetricRow:
     teacher_soft_ratio: float | None = None
     teacher_hard_ratio: float | None = None
     nonfinite_tokens: int = 0
+    is_ratio_fraction_low: float | None = None
+    tis_weight_mean: float | None = None
+    tis_weight_std: float | None = None
+    tis_weight_ess: float | None = None
+    prob_abs_diff_std: float | None = None
+    prob_pearson_corr: float | None = None
+    training_ppl: float | None = None
+    training_log_ppl: float | None = None
+    rollout_ppl: float | None = None
+    rollout_log_ppl: float | None = None
+    log_ppl_diff: float | None = None
+    log_ppl_abs_diff: float | None = None
+    log_ppl_diff_max: float | None = None
+    log_ppl_diff_min: float | None = None
+    ppl_ratio: float | None = None
+    seq_is_weight_mean: float | None = None
+    seq_is_weight_std: float | None = None
+    seq_is_weight_max: float | None = None
+    seq_is_weight_min: float | None = None
+    seq_is_weight_max_deviation: float | None = None
+    seq_is_ratio_fraction_high: float | None = None
+    seq_is_ratio_fraction_low: float | None = None
     mask_ratio: dict[str, float | None] = field(default_factory=dict)
     seq_reject_ratio: dict[str, float | None] = field(default_factory=dict)
     length_buckets: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -135,12 +157,14 @@ def derive_row(acc: Accumulator) -> MetricRow:
         row.entropy_delta_corr = (
             None if constant else _pearson(n, s[F.d2], s[F.h], s[F.d4], s[F.h2], s[F.d2h])
         )
+    _verl_token_stats(acc, row)
     if acc.sequences:
         ns = acc.sequences
         row.seq_log_ratio_abs_mean = s[F.seq_abs_l] / ns
         row.seq_log_ratio_abs_max = float(e[M.seq_abs_l])
         row.seq_geo_ratio_mean = s[F.seq_geo] / ns
         row.chi2_seq = s[F.seq_exp2l] / ns - 1.0
+        _verl_sequence_stats(acc, row)
     row.mask_ratio = {p: _div(c, n) for p, c in acc.masked_tokens.items()}
     row.seq_reject_ratio = {p: _div(c, acc.sequences) for p, c in acc.rejected_sequences.items()}
     row.length_buckets = {
@@ -177,6 +201,46 @@ def _optional(acc: Accumulator, row: MetricRow) -> None:
     row.staleness_kl = _div(acc.old_sum_stale, acc.old_tokens)
     row.teacher_soft_ratio = _div(acc.teacher_soft, acc.teacher_tokens)
     row.teacher_hard_ratio = _div(acc.teacher_hard, acc.teacher_tokens)
+
+
+def _verl_token_stats(acc: Accumulator, row: MetricRow) -> None:
+    """Token statistics verl also logs: truncated weights w = min(r, C), probabilities."""
+    s, n = acc.fsum, acc.tokens
+    if not n:
+        return
+    row.is_ratio_fraction_low = int(acc.cnt[C.is_low]) / n
+    m1 = s[F.tis_m1] / n
+    row.tis_weight_mean = s[F.tis_w] / n
+    row.tis_weight_std = math.sqrt(max(s[F.tis_m1sq] / n - m1 * m1, 0.0))
+    row.tis_weight_ess = s[F.tis_w] ** 2 / (n * s[F.tis_w2])  # w ≥ e^-20 > 0
+    if n > 1:
+        mean = s[F.pdiff] / n
+        row.prob_abs_diff_std = math.sqrt(max((s[F.pd2] - n * mean * mean) / (n - 1), 0.0))
+    row.prob_pearson_corr = _pearson(n, s[F.p], s[F.q], s[F.p2], s[F.q2], s[F.pq])
+
+
+def _verl_sequence_stats(acc: Accumulator, row: MetricRow) -> None:
+    """Per-sequence statistics verl logs, over sequences with n_s > 0 (acc.sequences ≥ 1)."""
+    s, e, ns = acc.fsum, acc.fext, acc.sequences
+    row.training_ppl = s[F.ppl_train] / ns
+    row.training_log_ppl = s[F.log_ppl_train] / ns
+    row.rollout_ppl = s[F.ppl_roll] / ns
+    row.rollout_log_ppl = s[F.log_ppl_roll] / ns
+    row.log_ppl_diff = s[F.lpd] / ns
+    row.log_ppl_abs_diff = s[F.lpd_abs] / ns
+    row.log_ppl_diff_max = float(e[M.lpd_max])
+    row.log_ppl_diff_min = float(e[M.lpd_min])
+    row.ppl_ratio = s[F.ppl_ratio] / ns
+    u = s[F.seq_w_m1] / ns
+    row.seq_is_weight_mean = s[F.seq_w] / ns
+    if ns > 1:
+        var = (s[F.seq_w_m1sq] - ns * u * u) / (ns - 1)
+        row.seq_is_weight_std = math.sqrt(max(var, 0.0))
+    row.seq_is_weight_max = float(e[M.seq_w_max])
+    row.seq_is_weight_min = float(e[M.seq_w_min])
+    row.seq_is_weight_max_deviation = float(e[M.seq_w_dev])
+    row.seq_is_ratio_fraction_high = int(acc.cnt[C.seq_w_high]) / ns
+    row.seq_is_ratio_fraction_low = int(acc.cnt[C.seq_w_low]) / ns
 
 
 def _pearson(n: int, sx: float, sy: float, sxx: float, syy: float, sxy: float) -> float | None:

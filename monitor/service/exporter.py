@@ -30,7 +30,7 @@ __all__ = ["CONTENT_TYPE", "TimwatchCollector", "make_registry", "render"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# name, help, accumulator attribute holding the sum
+# name, help, accumulator attribute holding the sum (count: masked tokens)
 _SUMMARIES = (
     ("timwatch_token_kl", "Per-token k3 estimate of KL(rollout||trainer), nats.", "sum_k3"),
     (
@@ -45,11 +45,64 @@ _SUMMARIES = (
         "Squared per-token importance ratio r^2.",
         "sum_is_ratio_sq",
     ),
+    (
+        "timwatch_token_tis_weight",
+        "Per-token truncated IS weight min(r, C), C = the TIS bound.",
+        "sum_tis_weight",
+    ),
+    (
+        "timwatch_token_prob_abs_diff",
+        "Per-token probability difference |exp(logp_train) - exp(logp_rollout)|.",
+        "sum_prob_abs_diff",
+    ),
+)
+# per-sequence summaries (count: sequences with a masked token); verl's perplexity family
+_SEQ_SUMMARIES = (
+    (
+        "timwatch_seq_training_log_ppl",
+        "Per-sequence trainer log-perplexity -mean(logp_train), nats.",
+        "sum_training_log_ppl",
+    ),
+    (
+        "timwatch_seq_rollout_log_ppl",
+        "Per-sequence rollout log-perplexity -mean(logp_rollout), nats.",
+        "sum_rollout_log_ppl",
+    ),
+    (
+        "timwatch_seq_training_ppl",
+        "Per-sequence trainer perplexity exp(-mean(logp_train)).",
+        "sum_training_ppl",
+    ),
+    (
+        "timwatch_seq_rollout_ppl",
+        "Per-sequence rollout perplexity exp(-mean(logp_rollout)).",
+        "sum_rollout_ppl",
+    ),
+    (
+        "timwatch_seq_log_ppl_diff",
+        "Per-sequence log-perplexity difference mean(logp_rollout) - mean(logp_train).",
+        "sum_log_ppl_diff",
+    ),
+    (
+        "timwatch_seq_ppl_ratio",
+        "Per-sequence perplexity ratio exp(mean(logp_rollout) - mean(logp_train)).",
+        "sum_ppl_ratio",
+    ),
+    (
+        "timwatch_seq_is_weight",
+        "Per-sequence mean of the truncated IS weights min(r, C).",
+        "sum_seq_is_weight",
+    ),
 )
 _COUNTERS = (
     ("timwatch_tokens", "Masked (loss_mask=1) tokens ingested.", "tokens"),
     ("timwatch_sequences", "Sequences with at least one masked token ingested.", "sequences"),
     ("timwatch_batches", "Batches ingested (replays not counted).", "batches"),
+    (
+        "timwatch_is_ratio_low_tokens",
+        "Masked tokens whose IS ratio is below 1/C (C = the TIS bound).",
+        "is_ratio_low_tokens",
+    ),
 )
 # gauge name, help, row key (None → special)
 _GAUGES = (
@@ -98,13 +151,16 @@ class TimwatchCollector(Collector):
         yield from self._gauges(states)
 
     def _summaries(self, states: list[RunState]) -> Iterator[Metric]:
-        for name, doc, attr in _SUMMARIES:
-            fam = SummaryMetricFamily(name, doc, labels=["run"])
-            for s in states:
-                fam.add_metric(
-                    [s.run], count_value=int(s.acc.tokens), sum_value=float(getattr(s.acc, attr))
-                )
-            yield fam
+        for table, count in ((_SUMMARIES, "tokens"), (_SEQ_SUMMARIES, "sequences")):
+            for name, doc, attr in table:
+                fam = SummaryMetricFamily(name, doc, labels=["run"])
+                for s in states:
+                    fam.add_metric(
+                        [s.run],
+                        count_value=int(getattr(s.acc, count)),
+                        sum_value=float(getattr(s.acc, attr)),
+                    )
+                yield fam
 
     def _counters(self, states: list[RunState]) -> Iterator[Metric]:
         for name, doc, attr in _COUNTERS:
@@ -121,6 +177,15 @@ class TimwatchCollector(Collector):
             for policy, n in sorted(s.acc.masked_tokens.items()):
                 masked.add_metric([s.run, policy], float(n))
         yield masked
+        oob = CounterMetricFamily(
+            "timwatch_seq_is_ratio_out_of_bounds_sequences",
+            "Sequences whose mean IS ratio is above C (side=high) or below 1/C (side=low).",
+            labels=["run", "side"],
+        )
+        for s in states:
+            for side, n in s.acc.seq_is_ratio_out_of_bounds.items():
+                oob.add_metric([s.run, side], float(n))
+        yield oob
         rejected = CounterMetricFamily(
             "timwatch_rejected_batches",
             "Batches refused, by reason (validation, too_large, unauthorized, store_unavailable).",

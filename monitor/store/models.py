@@ -31,6 +31,7 @@ __all__ = [
     "MASK_POLICIES",
     "METRIC_COLUMNS",
     "SEQ_POLICIES",
+    "VERL_COLUMNS",
     "Base",
     "BatchRecord",
     "Event",
@@ -41,8 +42,37 @@ __all__ = [
     "steps_table",
 ]
 
-MASK_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis", "seq_mis", "geo_rs", "k3_rs")
-SEQ_POLICIES = ("seq_mis", "geo_rs", "k3_rs")
+_VERL_SEQ = ("seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
+MASK_POLICIES = (
+    "estr", "delta_abs", "icepop", "kpop", "tis", "seq_mis", "geo_rs", "k3_rs",
+    "token_k1", "token_k2", "token_k3", *_VERL_SEQ,
+)  # fmt: skip
+SEQ_POLICIES = ("seq_mis", "geo_rs", "k3_rs", *_VERL_SEQ)
+#: scalar metrics added by migration 0003 (verl parity)
+VERL_COLUMNS = (
+    "is_ratio_fraction_low",
+    "tis_weight_mean",
+    "tis_weight_std",
+    "tis_weight_ess",
+    "prob_abs_diff_std",
+    "prob_pearson_corr",
+    "training_ppl",
+    "training_log_ppl",
+    "rollout_ppl",
+    "rollout_log_ppl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "log_ppl_diff_max",
+    "log_ppl_diff_min",
+    "ppl_ratio",
+    "seq_is_weight_mean",
+    "seq_is_weight_std",
+    "seq_is_weight_max",
+    "seq_is_weight_min",
+    "seq_is_weight_max_deviation",
+    "seq_is_ratio_fraction_high",
+    "seq_is_ratio_fraction_low",
+)
 
 #: integer-valued metrics of a row
 COUNT_COLUMNS = ("tokens", "sequences", "nonfinite_tokens")
@@ -79,6 +109,7 @@ FLOAT_COLUMNS = (
     "staleness_kl",
     "teacher_soft_ratio",
     "teacher_hard_ratio",
+    *VERL_COLUMNS,
     *(f"mask_ratio_{p}" for p in MASK_POLICIES),
     *(f"seq_reject_ratio_{p}" for p in SEQ_POLICIES),
 )

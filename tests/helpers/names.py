@@ -30,10 +30,26 @@ GAUGES = [
     "timwatch_token_id_mismatch_ratio",
     "timwatch_last_batch_timestamp_seconds",
 ]
+# verl-parity families (issue 11): exported and additive, not (yet) on the dashboards
+VERL_COUNTERS = [
+    "timwatch_is_ratio_low_tokens_total",
+    "timwatch_seq_is_ratio_out_of_bounds_sequences_total",
+]
+VERL_SUMMARIES = [
+    "timwatch_token_tis_weight",
+    "timwatch_token_prob_abs_diff",
+    "timwatch_seq_training_log_ppl",
+    "timwatch_seq_rollout_log_ppl",
+    "timwatch_seq_training_ppl",
+    "timwatch_seq_rollout_ppl",
+    "timwatch_seq_log_ppl_diff",
+    "timwatch_seq_ppl_ratio",
+    "timwatch_seq_is_weight",
+]
 # every exposed series name -> its metric family (summaries and histograms expand)
 FAMILY_OF = (
-    {c: c for c in COUNTERS + GAUGES}
-    | {f"{s}{suffix}": s for s in SUMMARIES for suffix in ("_sum", "_count")}
+    {c: c for c in COUNTERS + GAUGES + VERL_COUNTERS}
+    | {f"{s}{suffix}": s for s in SUMMARIES + VERL_SUMMARIES for suffix in ("_sum", "_count")}
     | {f"{h}{suffix}": h for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 )
 EXPORTED_SERIES = frozenset(FAMILY_OF)

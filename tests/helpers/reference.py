@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.helpers.reference_verl import verl_extras
+
 __all__ = [
     "HEAT_DELTA_EDGES",
     "HEAT_H_EDGES",
@@ -32,9 +34,14 @@ __all__ = [
     "seq_near_boundary",
 ]
 
-TOKEN_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis")
-SEQ_POLICIES = ("seq_mis", "geo_rs", "k3_rs")
-POLICY_NAMES = TOKEN_POLICIES + SEQ_POLICIES
+VERL_TOKEN = ("token_k1", "token_k2", "token_k3")
+VERL_SEQ = ("seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_max_k2", "seq_max_k3")
+TOKEN_POLICIES = ("estr", "delta_abs", "icepop", "kpop", "tis", *VERL_TOKEN)
+SEQ_POLICIES = ("seq_mis", "geo_rs", "k3_rs", *VERL_SEQ)
+POLICY_NAMES = (
+    "estr", "delta_abs", "icepop", "kpop", "tis", "seq_mis", "geo_rs", "k3_rs",
+    *VERL_TOKEN, *VERL_SEQ,
+)  # fmt: skip
 HEAT_H_EDGES = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, math.inf)
 HEAT_DELTA_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 1.0, math.inf)
 CLAMP = 20.0
@@ -58,6 +65,15 @@ class RefParams:
     geo_rs_low: float = 0.999
     geo_rs_high: float = 1.001
     k3_rs_kappa: float = 0.01
+    token_k1_lower: float = 0.6
+    token_k1_upper: float = 1.6
+    token_k2_upper: float = 2.5
+    token_k3_upper: float = 2.5
+    seq_sum_k2_upper: float = 2.5
+    seq_sum_k3_upper: float = 2.5
+    seq_mean_k2_upper: float = 0.01
+    seq_max_k2_upper: float = 2.5
+    seq_max_k3_upper: float = 2.5
 
 
 def clamp(x: float, lim: float = CLAMP) -> float:
@@ -99,6 +115,12 @@ def keep_token(policy: str, lt: float, lr: float, h: float, p: RefParams) -> boo
         pp = min(max(math.exp(lt), P_CLIP), 1.0 - P_CLIP)
         qq = min(max(math.exp(lr), P_CLIP), 1.0 - P_CLIP)
         return max(bernoulli_kl(pp, qq), bernoulli_kl(qq, pp)) <= p.kpop_phi
+    if policy == "token_k1":  # verl: ln(lower) ≤ −δc ≤ ln(upper)
+        return math.log(p.token_k1_lower) <= -clamp(d) <= math.log(p.token_k1_upper)
+    if policy == "token_k2":
+        return clamp(d) ** 2 / 2.0 <= p.token_k2_upper
+    if policy == "token_k3":
+        return k3(d) <= p.token_k3_upper
     raise ValueError(policy)
 
 
@@ -124,6 +146,13 @@ def near_boundary(policy: str, lt: float, lr: float, h: float, p: RefParams) -> 
         qq = min(max(math.exp(lr), P_CLIP), 1.0 - P_CLIP)
         div = max(bernoulli_kl(pp, qq), bernoulli_kl(qq, pp))
         return abs(div - p.kpop_phi) <= 1e-9 * p.kpop_phi
+    if policy == "token_k1":
+        x = -clamp(d)
+        return any(abs(x - math.log(b)) <= 1e-12 for b in (p.token_k1_lower, p.token_k1_upper))
+    if policy in ("token_k2", "token_k3"):
+        x = clamp(d) ** 2 / 2.0 if policy == "token_k2" else k3(d)
+        t = p.token_k2_upper if policy == "token_k2" else p.token_k3_upper
+        return abs(x - t) <= 1e-9 * t
     return False
 
 
@@ -136,10 +165,26 @@ def seq_near_boundary(policy: str, deltas: Sequence[float], p: RefParams) -> boo
     elif policy == "geo_rs":
         lo, hi, x = math.log(p.geo_rs_low), math.log(p.geo_rs_high), big_l / len(deltas)
         rel /= len(deltas)
-    else:
+    elif policy == "k3_rs":
         m = math.fsum(k3(d) for d in deltas) / len(deltas)
         return abs(m - p.k3_rs_kappa) <= 1e-9 * p.k3_rs_kappa
+    else:
+        v, t = _verl_seq_stat(policy, deltas, p)
+        return abs(v - t) <= 1e-9 * t
     return abs(x - lo) <= rel or abs(x - hi) <= rel
+
+
+def _verl_seq_stat(policy: str, deltas: Sequence[float], p: RefParams) -> tuple[float, float]:
+    """(statistic, upper bound) of one of verl's sequence modes."""
+    k2s = [clamp(x) ** 2 / 2.0 for x in deltas]
+    k3s = [k3(x) for x in deltas]
+    return {
+        "seq_sum_k2": (math.fsum(k2s), p.seq_sum_k2_upper),
+        "seq_sum_k3": (math.fsum(k3s), p.seq_sum_k3_upper),
+        "seq_mean_k2": (math.fsum(k2s) / len(k2s), p.seq_mean_k2_upper),
+        "seq_max_k2": (max(k2s), p.seq_max_k2_upper),
+        "seq_max_k3": (max(k3s), p.seq_max_k3_upper),
+    }[policy]
 
 
 def seq_keep(policy: str, deltas: Sequence[float], p: RefParams) -> bool:
@@ -153,7 +198,8 @@ def seq_keep(policy: str, deltas: Sequence[float], p: RefParams) -> bool:
         return p.geo_rs_low <= math.exp(big_l / n) <= p.geo_rs_high
     if policy == "k3_rs":
         return math.fsum(k3(d) for d in deltas) / n <= p.k3_rs_kappa
-    raise ValueError(policy)
+    v, t = _verl_seq_stat(policy, deltas, p)
+    return v <= t
 
 
 def heat_bin(value: float, edges: Sequence[float]) -> int:
@@ -376,6 +422,7 @@ def reference(
         row["teacher_hard_ratio"] = sum(1 for x in pt if x < 0.05 or x > 0.95) / n
 
     row["nonfinite_tokens"] = nonfinite_tokens
+    verl_extras(row, sc, params, [mu[i] for i in flat], [pi[i] for i in flat], seq_of)
 
     # Worst 16 by S, ties: lower flat index first.
     order = sorted(range(n), key=lambda j: (-score[j], flat[j]))[:16]

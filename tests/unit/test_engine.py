@@ -33,17 +33,23 @@ MEANS = [
     "mismatch_kl", "kl_k1", "kl_k2", "log_ratio_mean", "log_ratio_abs_mean", "prob_abs_diff_mean",
     "is_ratio_mean", "chi2_token", "entropy_mean", "noise_scale", "seq_log_ratio_abs_mean",
     "seq_geo_ratio_mean", "chi2_seq", "discrepancy_kl", "staleness_kl", "is_ess",
-    "version_lag_mean",
+    "version_lag_mean", "tis_weight_mean", "tis_weight_ess", "training_ppl", "training_log_ppl",
+    "rollout_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff", "ppl_ratio",
+    "seq_is_weight_mean",
 ]  # fmt: skip
 EXTREMES = [
     "log_ratio_abs_max", "prob_abs_diff_max", "is_ratio_min", "is_ratio_max",
-    "seq_log_ratio_abs_max",
+    "seq_log_ratio_abs_max", "log_ppl_diff_max", "log_ppl_diff_min", "seq_is_weight_max",
+    "seq_is_weight_min", "seq_is_weight_max_deviation",
 ]  # fmt: skip
 EXACT = [
     "tokens", "sequences", "nonfinite_tokens", "version_lag_max", "intra_switch_ratio",
     "token_id_mismatch_ratio", "teacher_soft_ratio", "teacher_hard_ratio",
+    "is_ratio_fraction_low", "seq_is_ratio_fraction_high", "seq_is_ratio_fraction_low",
 ]  # fmt: skip
-SCALARS = MEANS + EXTREMES + EXACT + ["is_ratio_std", "entropy_delta_corr", "log_ratio_abs_p99"]
+VARIANCES = ["is_ratio_std", "tis_weight_std", "prob_abs_diff_std", "seq_is_weight_std"]
+CORRELATIONS = ["entropy_delta_corr", "prob_pearson_corr"]
+SCALARS = MEANS + EXTREMES + EXACT + VARIANCES + CORRELATIONS + ["log_ratio_abs_p99"]
 
 
 def engine_params(p: RefParams) -> PolicyParams:
@@ -74,10 +80,10 @@ def check_row(
             close(got[name], want, 1e-12, atol + SUM_EPS * sc.get(name, 0.0), name)
         elif name in EXACT:
             assert got[name] == want, f"{name}: got {got[name]!r}, want {want!r}"
-        elif name == "is_ratio_std":
-            # Var from Σr² − (Σr)²/N may lose SUM_EPS·E[r²] absolutely: compare variances.
+        elif name in VARIANCES:
+            # Var from Σx² − (Σx)²/N may lose SUM_EPS·E[x²] absolutely: compare variances.
             close(got[name] ** 2, want**2, 2 * RTOL, SUM_EPS * sc[name], name)
-        elif name == "entropy_delta_corr":
+        elif name in CORRELATIONS:
             close(got[name], want, 0.0, RTOL + SUM_EPS * sc[name], name)
         elif name == "log_ratio_abs_p99":
             if want < 1e-12:

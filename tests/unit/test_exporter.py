@@ -79,6 +79,29 @@ def test_real_exposition_is_promtool_clean_and_exact(app: InProcessApp) -> None:
     ):
         assert sample(fams, f"{name}_count", **run) == total.tokens
         assert sample(fams, f"{name}_sum", **run) == pytest.approx(getattr(total, attr), rel=1e-15)
+    for name, attr, count in (
+        ("timwatch_token_tis_weight", "sum_tis_weight", total.tokens),
+        ("timwatch_token_prob_abs_diff", "sum_prob_abs_diff", total.tokens),
+        ("timwatch_seq_training_log_ppl", "sum_training_log_ppl", total.sequences),
+        ("timwatch_seq_rollout_log_ppl", "sum_rollout_log_ppl", total.sequences),
+        ("timwatch_seq_training_ppl", "sum_training_ppl", total.sequences),
+        ("timwatch_seq_rollout_ppl", "sum_rollout_ppl", total.sequences),
+        ("timwatch_seq_log_ppl_diff", "sum_log_ppl_diff", total.sequences),
+        ("timwatch_seq_ppl_ratio", "sum_ppl_ratio", total.sequences),
+        ("timwatch_seq_is_weight", "sum_seq_is_weight", total.sequences),
+    ):
+        assert sample(fams, f"{name}_count", **run) == count
+        assert sample(fams, f"{name}_sum", **run) == pytest.approx(getattr(total, attr), rel=1e-15)
+    # the mean of a per-sequence summary is the row's metric over the same sequences
+    mean_lp = sample(fams, "timwatch_seq_training_log_ppl_sum", **run) / total.sequences
+    assert mean_lp == pytest.approx(derive_row(total).training_log_ppl, rel=1e-15)
+    low = sample(fams, "timwatch_is_ratio_low_tokens_total", **run)
+    assert low == total.is_ratio_low_tokens
+    for side, n in total.seq_is_ratio_out_of_bounds.items():
+        got = sample(fams, "timwatch_seq_is_ratio_out_of_bounds_sequences_total", run="run-a",
+                     side=side)  # fmt: skip
+        assert got == n
+    assert {p for p in total.masked_tokens} >= {"token_k1", "seq_max_k3"}
     for policy, n in total.masked_tokens.items():
         assert sample(fams, "timwatch_masked_tokens_total", run="run-a", policy=policy) == n
     for hist, buckets in (

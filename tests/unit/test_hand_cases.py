@@ -120,8 +120,44 @@ def test_ln2_batch() -> None:
         "seq_mis": 0.0,
         "geo_rs": 0.5,
         "k3_rs": 1.0,
+        # verl's modes: token_k1 keeps −δ ∈ [ln .6, ln 1.6] = [−.51, .47] → only t1 (δ = 0);
+        # k2 = δ²/2 = .24 and k3 ≤ .31 per token, sums .24/.48 and .31/.5, all ≤ 2.5;
+        # seq_mean_k2 = .12 and .24 > .01 → both sequences rejected
+        "token_k1": 0.75,
+        "token_k2": 0.0,
+        "token_k3": 0.0,
+        "seq_sum_k2": 0.0,
+        "seq_sum_k3": 0.0,
+        "seq_mean_k2": 1.0,
+        "seq_max_k2": 0.0,
+        "seq_max_k3": 0.0,
     }
-    assert row["seq_reject_ratio"] == {"seq_mis": 0.0, "geo_rs": 0.5, "k3_rs": 1.0}
+    assert row["seq_reject_ratio"] == {
+        "seq_mis": 0.0, "geo_rs": 0.5, "k3_rs": 1.0, "seq_sum_k2": 0.0, "seq_sum_k3": 0.0,
+        "seq_mean_k2": 1.0, "seq_max_k2": 0.0, "seq_max_k3": 0.0,
+    }  # fmt: skip
+    # verl-parity statistics: w = min(r, 2) = (2, 1, ½, 2); sequence means 1.5 and 1.25;
+    # log-ppl differences −L_s/n_s = −ln2/2 and 0
+    assert_scalars(
+        row,
+        {
+            "is_ratio_fraction_low": 0.0,  # no r below ½
+            "tis_weight_mean": 5.5 / 4,
+            "tis_weight_ess": 5.5**2 / (4 * 9.25),
+            "seq_is_weight_mean": 1.375,
+            "seq_is_weight_std": 0.25 / math.sqrt(2),  # Bessel: ((.125)²·2)/1
+            "seq_is_weight_max": 1.5,
+            "seq_is_weight_min": 1.25,
+            "seq_is_weight_max_deviation": 0.5,
+            "seq_is_ratio_fraction_high": 0.0,
+            "seq_is_ratio_fraction_low": 0.0,
+            "log_ppl_diff": -LN2 / 4,
+            "log_ppl_abs_diff": LN2 / 4,
+            "log_ppl_diff_max": 0.0,
+            "log_ppl_diff_min": -LN2 / 2,
+            "ppl_ratio": (2**-0.5 + 1) / 2,
+        },
+    )
     (key,) = row["length_buckets"]
     assert int(key) == 1  # both n_s = 2
     b = row["length_buckets"][key]
@@ -293,8 +329,40 @@ def test_clamped_deltas_constant_entropy_and_drop() -> None:
         "seq_mis": 1.0,
         "geo_rs": 1.0,
         "k3_rs": 1.0,
+        # verl's modes on δc = 20, −20, 0: k1 = −δc outside [ln .6, ln 1.6], k2 = 200 and
+        # k3 ≥ 19 above 2.5 for both clamped tokens → 2/3; the sequence fails all five
+        "token_k1": 2 * third,
+        "token_k2": 2 * third,
+        "token_k3": 2 * third,
+        "seq_sum_k2": 1.0,
+        "seq_sum_k3": 1.0,
+        "seq_mean_k2": 1.0,
+        "seq_max_k2": 1.0,
+        "seq_max_k3": 1.0,
     }
-    assert row["seq_reject_ratio"] == {"seq_mis": 1.0, "geo_rs": 1.0, "k3_rs": 1.0}
+    assert row["seq_reject_ratio"] == {
+        "seq_mis": 1.0, "geo_rs": 1.0, "k3_rs": 1.0, "seq_sum_k2": 1.0, "seq_sum_k3": 1.0,
+        "seq_mean_k2": 1.0, "seq_max_k2": 1.0, "seq_max_k3": 1.0,
+    }  # fmt: skip
+    # w = min(r, 2) = (2, e^−20, 1); mean π = −26/3, mean μ = −31/3; raw mean r ≫ 2
+    assert_scalars(
+        row,
+        {
+            "is_ratio_fraction_low": third,
+            "tis_weight_mean": (3 + ei) / 3,
+            "seq_is_weight_mean": (3 + ei) / 3,
+            "seq_is_weight_std": None,  # one sequence: no sample spread
+            "seq_is_ratio_fraction_high": 1.0,
+            "seq_is_ratio_fraction_low": 0.0,
+            "training_log_ppl": 26 / 3,
+            "rollout_log_ppl": 31 / 3,
+            "training_ppl": math.exp(26 / 3),
+            "rollout_ppl": math.exp(31 / 3),
+            "log_ppl_diff": -5 / 3,
+            "ppl_ratio": math.exp(-5 / 3),
+        },
+        rtol=1e-12,
+    )
     # H = 0.7 → row 4 ([0.3, 1)); |δ| 30, 25 → column 5, 0 → column 0
     assert row["heatmap"]["all"] == heat({(4, 5): 2, (4, 0): 1})
     assert row["heatmap"]["estr_rejected"] == heat({(4, 5): 2})

@@ -26,7 +26,7 @@ from tests.helpers.reference import (
     seq_near_boundary,
 )
 from tests.helpers.reference import k3 as ref_k3
-from timwatch.monitor.core import masks
+from timwatch.monitor.core import masks, rs_modes
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.row import derive_row
@@ -75,6 +75,12 @@ def token_call(name: str, lt, lr, h, p: RefParams):  # type: ignore[no-untyped-d
         return masks.kpop_keep_mask(lt, lr, phi=p.kpop_phi)
     if name == "tis":
         return masks.tis_keep_mask(lt, lr, c=p.tis_c)
+    if name == "token_k1":
+        return rs_modes.token_k1_keep_mask(lt, lr, p.token_k1_lower, p.token_k1_upper)
+    if name == "token_k2":
+        return rs_modes.token_k2_keep_mask(lt, lr, p.token_k2_upper)
+    if name == "token_k3":
+        return rs_modes.token_k3_keep_mask(lt, lr, p.token_k3_upper)
     raise ValueError(name)
 
 
@@ -85,7 +91,8 @@ def seq_call(name: str, lt, lr, cu, mask, p: RefParams):  # type: ignore[no-unty
         return masks.geo_rs_keep_mask(lt, lr, cu, mask, low=p.geo_rs_low, high=p.geo_rs_high)
     if name == "k3_rs":
         return masks.k3_rs_keep_mask(lt, lr, cu, mask, kappa=p.k3_rs_kappa)
-    raise ValueError(name)
+    fn = getattr(rs_modes, f"{name}_keep_mask")
+    return fn(lt, lr, cu, mask, getattr(p, f"{name}_upper"))
 
 
 params_st = st.builds(
@@ -102,6 +109,15 @@ params_st = st.builds(
     geo_rs_low=st.floats(0.99, 0.9999),
     geo_rs_high=st.floats(1.0001, 1.01),
     k3_rs_kappa=st.floats(1e-6, 1.0),
+    token_k1_lower=st.floats(0.1, 0.99),
+    token_k1_upper=st.floats(1.01, 10.0),
+    token_k2_upper=st.floats(1e-6, 5.0),
+    token_k3_upper=st.floats(1e-6, 5.0),
+    seq_sum_k2_upper=st.floats(1e-6, 5.0),
+    seq_sum_k3_upper=st.floats(1e-6, 5.0),
+    seq_mean_k2_upper=st.floats(1e-6, 1.0),
+    seq_max_k2_upper=st.floats(1e-6, 5.0),
+    seq_max_k3_upper=st.floats(1e-6, 5.0),
 )
 
 
