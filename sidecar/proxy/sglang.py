@@ -28,18 +28,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink
-from timwatch.sidecar.proxy.sglang_wire import (
-    RequestPlan,
-    SampleState,
-    WireError,
-    dumps,
-    is_finished,
-    loads,
-    outputs_of,
-    plan_request,
-)
+from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
+from timwatch.sidecar.proxy.records import HeldRecord
+from timwatch.sidecar.proxy.relay import Capturer, capture_answer, relay_stream
+from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
 
 __all__ = ["create_app", "ProxyState"]
 
@@ -89,21 +82,17 @@ class ProxyState:
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
         self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+        self.capturer = Capturer(self.commit, self.counters, vocab_size)
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:
             raise RuntimeError("proxy client not started (lifespan not run)")
         return self.client
 
-    def commit(self, state: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int) -> None:
-        prompts = plan.client_input_ids
-        fallback = prompts[plan.prompt_index(idx)] if prompts else None
-        record = state.record(
-            out["meta_info"], fallback_prompt=fallback, vocab_size=self.vocab_size
-        )
+    def commit(self, record: HeldRecord) -> None:
         self.capture.add(record)
-        if self.prober is not None:
-            self.prober.maybe_probe(record)
+        if self.prober is not None and probe_selected(record.rid, self.probe_rate):
+            self.prober.maybe_probe(record.unpack())
 
 
 def _request_headers(request: Request, *, identity: bool) -> dict[str, str]:
@@ -191,7 +180,7 @@ async def _generate(request: Request) -> Response:
         )
     if plan.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
-            _relay_stream(state, plan, resp),
+            _closing(relay_stream(state.capturer, plan, resp.aiter_bytes()), resp),
             status_code=resp.status_code,
             headers=_response_headers(resp, keep_length=False),
         )
@@ -200,85 +189,18 @@ async def _generate(request: Request) -> Response:
     finally:
         await resp.aclose()
     return Response(
-        _answer(state, plan, content),
+        capture_answer(state.capturer, plan, content),
         status_code=resp.status_code,
         headers=_response_headers(resp, keep_length=False),
     )
 
 
-def _answer(state: ProxyState, plan: RequestPlan, content: bytes) -> bytes:
-    """Capture every finished sample of a non-streamed answer; return the client's bytes."""
+async def _closing(chunks: AsyncIterator[bytes], resp: httpx.Response) -> AsyncIterator[bytes]:
     try:
-        answer = loads(content)
-        outputs = outputs_of(answer)
-    except ValueError as exc:
-        state.counters["wire_errors"] += 1
-        log.warning("unparseable /generate answer passed through: %s", exc)
-        return content
-    for idx, out in enumerate(outputs):
-        if not isinstance(out, dict):
-            continue
-        try:
-            if is_finished(out):
-                sample = SampleState()
-                sample.feed(out, stream=False)
-                state.commit(sample, out, plan, idx)
-        except (WireError, ValueError) as exc:
-            state.counters["wire_errors"] += 1
-            log.warning("answer %d not captured: %s", idx, exc)
-        plan.restore(out, idx)
-    return dumps(answer) if plan.changed else content
-
-
-async def _relay_stream(
-    state: ProxyState, plan: RequestPlan, resp: httpx.Response
-) -> AsyncIterator[bytes]:
-    samples: dict[int, SampleState] = {}
-    buf = b""
-    try:
-        async for chunk in resp.aiter_bytes():
-            buf += chunk
-            while True:
-                cut = buf.find(b"\n\n")
-                if cut < 0:
-                    break
-                frame, buf = buf[: cut + 2], buf[cut + 2 :]
-                yield _frame(state, plan, samples, frame)
-        if buf:
-            yield buf
+        async for chunk in chunks:
+            yield chunk
     finally:
         await resp.aclose()
-
-
-def _frame(
-    state: ProxyState, plan: RequestPlan, samples: dict[int, SampleState], frame: bytes
-) -> bytes:
-    if not frame.startswith(b"data: "):
-        return frame
-    payload = frame[6:-2]
-    if payload == b"[DONE]":
-        return frame
-    try:
-        out = loads(payload)
-    except ValueError:
-        return frame
-    if not isinstance(out, dict) or "meta_info" not in out:
-        return frame  # SGLang's in-stream {"error": ...} object
-    idx = out.get("index", 0)
-    idx = idx if isinstance(idx, int) else 0
-    try:
-        sample = samples.setdefault(idx, SampleState())
-        sample.offer(out)
-        if is_finished(out):
-            state.commit(samples.pop(idx), out, plan, idx)
-    except (WireError, ValueError) as exc:
-        state.counters["wire_errors"] += 1
-        samples.pop(idx, None)
-        log.warning("stream sample %d not captured: %s", idx, exc)
-    if not plan.changed:
-        return frame
-    plan.restore(out, idx)
-    return b"data: " + dumps(out) + b"\n\n"
 
 
 async def _records(request: Request) -> Response:
@@ -323,16 +245,22 @@ def create_app(
     capture: CaptureStore | None = None,
     timeout_s: float | None = None,
     ttl_s: float = 900.0,
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
 ) -> Starlette:
     """Build the proxy app. ``timeout_s=None`` waits as long as the client does, so the
-    client's own timeout decides; ``vocab_size`` enables the top-k tail bound."""
+    client's own timeout decides; ``vocab_size`` enables the top-k tail bound; records no
+    trainer collects are held for ``ttl_s`` and in at most ``max_held_bytes``."""
     state = ProxyState(
         upstream,
         monitor=monitor,
         topk=topk,
         probe_rate=probe_rate,
         vocab_size=vocab_size,
-        capture=capture if capture is not None else CaptureStore(ttl_s=ttl_s),
+        capture=(
+            capture
+            if capture is not None
+            else CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
+        ),
         timeout_s=timeout_s,
     )
 

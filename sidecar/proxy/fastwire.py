@@ -1,0 +1,364 @@
+"""SGLang ``/generate`` answers read and restored on their bytes, without parsing them whole.
+
+`proxy.sglang_wire` parses every answer into Python objects; a 4,096-token answer is ~4,000
+small lists, and a cumulative stream repeats all of them in every chunk. This module works on the
+compact JSON SGLang writes instead:
+
+* A key is found by its bytes ``"name":``. Inside a JSON string every ``"`` is escaped, so
+  ``name":`` cannot occur in ``text`` or any other string: the match is the key itself.
+* The log-prob values (``output_token_logprobs``, the top-k rows, ``prompt_token_ids``, ...) hold
+  only numbers, ``null`` and brackets when SGLang is not asked for token text, so such a value
+  ends at the first ``,"`` (next key) or ``}`` (end of ``meta_info``). A value with strings in it
+  ends up unbalanced at that cut and is refused (`NotFast`); the caller then takes the object
+  path, so this module never guesses.
+* Triples ``[logprob, token_id, null]`` become one flat JSON list of numbers (brackets and the
+  null texts dropped) that orjson reads into a single list, turned into arrays at once: no
+  per-token Python containers, nothing for the garbage collector to trace.
+
+A non-streamed answer or a stream chunk for one sample is captured by `FastSample`; `restore`
+cuts what the proxy added out of the bytes. Both refuse anything they cannot do exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows
+from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError
+
+__all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
+
+_NUMERIC = b"0123456789.-+eE[],nulaNIfity"
+# The logprob-bearing keys SGLang writes into meta_info (sglang_wire._LOGPROB_PREFIXES).
+_LOGPROB_KEYS = (
+    b"input_token_logprobs",
+    b"output_token_logprobs",
+    b"output_token_logprobs_length",
+    b"input_top_logprobs",
+    b"output_top_logprobs",
+    b"input_token_ids_logprobs",
+    b"output_token_ids_logprobs",
+)
+_TOP_KEYS = (b"input_top_logprobs", b"output_top_logprobs")
+# Values cut out before the rest of a finished chunk is parsed for its small fields.
+_BULK_KEYS = (
+    b"output_ids",
+    b"prompt_token_ids",
+    b"input_token_logprobs",
+    b"output_token_logprobs",
+    b"input_top_logprobs",
+    b"output_top_logprobs",
+)
+
+
+class NotFast(Exception):
+    """The bytes are not in the shape this module reads exactly; use the object path."""
+
+
+def value_span(buf: bytes, key: bytes, lo: int = 0) -> tuple[int, int, int] | None:
+    """``(key_start, value_start, value_end)`` of a quote-free value, None if the key is absent.
+
+    Raises `NotFast` if the value is not bracket-balanced (it held a string)."""
+    pat = b'"' + key + b'":'
+    k = buf.find(pat, lo)
+    if k < 0:
+        return None
+    v = k + len(pat)
+    comma, brace = buf.find(b',"', v), buf.find(b"}", v)
+    ends = [e for e in (comma, brace) if e >= 0]
+    if not ends:
+        raise NotFast(f"{key.decode()}: no end")
+    e = min(ends)
+    if buf.count(b"[", v, e) != buf.count(b"]", v, e):
+        raise NotFast(f"{key.decode()}: not a quote-free value")
+    return k, v, e
+
+
+def finished(frame: bytes) -> bool:
+    """Whether a chunk is its sample's last (``finish_reason`` is not null)."""
+    k = frame.find(b'"finish_reason":')
+    if k < 0:
+        raise NotFast("no finish_reason")
+    return not frame.startswith(b"null", k + 16)
+
+
+def stream_index(frame: bytes) -> int:
+    span = value_span(frame, b"index")
+    if span is None:
+        return 0
+    try:
+        return int(frame[span[1] : span[2]])
+    except ValueError:
+        raise NotFast("index is not an int") from None
+
+
+def _int_value(buf: bytes, key: bytes) -> int | None:
+    span = value_span(buf, key)
+    if span is None:
+        return None
+    try:
+        return int(buf[span[1] : span[2]])
+    except ValueError:
+        raise NotFast(f"{key.decode()}: not an int") from None
+
+
+def _flat_pairs(buf: bytes, v: int, e: int, count: int) -> np.ndarray:
+    """The ``(logprob, id)`` pairs of ``count`` triples in ``buf[v:e]``, shape ``(count, 2)``."""
+    body = buf[v:e]
+    if body.translate(None, _NUMERIC):
+        raise NotFast("unexpected characters in a logprob list")
+    flat = orjson.loads(b"[" + body.translate(None, b"[]").replace(b",null", b"") + b"]")
+    if len(flat) != 2 * count:
+        raise NotFast("a logprob is null or a triple has token text")
+    try:
+        arr = np.array(flat, dtype=np.float64).reshape(count, 2)
+    except (TypeError, ValueError):
+        raise NotFast("non-numeric logprob entry") from None
+    if np.isnan(arr).any():
+        raise NotFast("null logprob")
+    return arr
+
+
+def _triples(buf: bytes, key: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    span = value_span(buf, key)
+    if span is None:
+        return None
+    _, v, e = span
+    count = buf.count(b"[", v, e) - 1
+    if count < 0:
+        raise NotFast(f"{key.decode()}: not a list")
+    pairs = _flat_pairs(buf, v, e, count)
+    ids = pairs[:, 1]
+    if count and (ids != np.floor(ids)).any():
+        raise NotFast("token id is not an int")
+    return ids.astype(np.int64), pairs[:, 0].copy()
+
+
+def _top_logps(buf: bytes, n: int) -> np.ndarray | None:
+    """``output_top_logprobs`` as an ``(n, k)`` array; refuses null or ragged rows."""
+    span = value_span(buf, b"output_top_logprobs")
+    if span is None:
+        return None
+    _, v, e = span
+    if n == 0:
+        return np.zeros((0, 0))
+    triples = buf.count(b"[", v, e) - 1 - n
+    if triples <= 0 or triples % n or buf.count(b"]],[[", v, e) != n - 1:
+        raise NotFast("top-k rows are null or ragged")
+    k = triples // n
+    return _flat_pairs(buf, v, e, triples)[:, 0].reshape(n, k)
+
+
+def _triple_count(buf: bytes, key: bytes) -> int:
+    span = value_span(buf, key)
+    if span is None:
+        raise NotFast(f"{key.decode()}: missing")
+    return buf.count(b"[", span[1], span[2]) - 1
+
+
+@dataclass
+class FastSample:
+    """One sample's arrays over stream chunks (cumulative or incremental) or one answer.
+
+    Mirrors `sglang_wire.SampleState`: a chunk whose list is as long as
+    ``output_token_logprobs_length`` replaces what came before (cumulative; kept by reference
+    and only read if a delta or the last chunk needs it), a shorter one extends it."""
+
+    ids: list[np.ndarray] = field(default_factory=list)
+    logps: list[np.ndarray] = field(default_factory=list)
+    tops: list[np.ndarray] | None = None
+    n: int = 0
+    prompt: np.ndarray | None = None
+    pending: bytes | None = None
+
+    def offer(self, frame: bytes, *, last: bool) -> None:
+        total = _int_value(frame, b"output_token_logprobs_length")
+        if total is None:
+            raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
+        count = _triple_count(frame, b"output_token_logprobs")
+        if not last and count == total:
+            self.pending = frame
+            return
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            if count != total:
+                self._take(pending, total=None)
+        self._take(frame, total=total)
+
+    def take_answer(self, answer: bytes) -> None:
+        self._take(answer, total=None)
+
+    def _take(self, buf: bytes, *, total: int | None) -> None:
+        got = _triples(buf, b"output_token_logprobs")
+        if got is None:
+            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+        ids, logps = got
+        top = _top_logps(buf, len(ids))
+        delta = total is not None and self.n > 0 and len(ids) != total
+        if delta and self.n + len(ids) != total:
+            raise WireError(
+                f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
+                f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
+            )
+        if not delta:
+            self.ids, self.logps, self.n = [], [], 0
+            if top is not None:
+                self.tops = []
+        self.ids.append(ids)
+        self.logps.append(logps)
+        self.n += len(ids)
+        if top is not None:
+            self.tops = (self.tops or []) + [top]
+        span = value_span(buf, b"prompt_token_ids")
+        if span is not None:
+            self.prompt = np.array(orjson.loads(buf[span[1] : span[2]]), dtype=np.int64)
+
+    def record(
+        self,
+        last: bytes,
+        *,
+        fallback_prompt: list[int] | None,
+        vocab_size: int | None,
+    ) -> HeldRecord:
+        meta = _small_meta(last)
+        rid = meta.get("id")
+        if not isinstance(rid, str):
+            raise WireError(f"meta_info.id: expected a string, got {rid!r}")
+        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, np.int64)
+        logp = np.concatenate(self.logps) if self.logps else np.zeros(0)
+        wv = meta.get("weight_version")
+        wv = None if wv is None else str(wv)
+        lower = tail = None
+        source = None
+        if self.tops is not None and self.n:
+            tops = np.concatenate(self.tops)
+            if tops.shape == (self.n, tops.shape[1]) and tops.shape[1] > 0:
+                lower, tail = topk_entropy_bounds_rows(tops, vocab_size=vocab_size)
+                source = "topk"
+        prompt = self.prompt
+        if prompt is None and fallback_prompt is not None:
+            prompt = np.array(fallback_prompt, dtype=np.int64)
+        reason = meta.get("finish_reason")
+        return HeldRecord.build(
+            rid=rid,
+            input_ids=prompt,
+            output_ids=ids,
+            logp=logp,
+            runs=_version_runs(meta.get("weight_versions"), self.n, wv),
+            finish_reason=_finish_type(reason),
+            weight_version=wv,
+            entropy_lower=lower,
+            entropy_tail=tail,
+            entropy_source=source,
+        )
+
+
+def _small_meta(buf: bytes) -> dict[str, Any]:
+    """``meta_info`` of one sample with its bulk lists cut out, parsed."""
+    cuts = sorted(s for key in _BULK_KEYS if (s := value_span(buf, key)) is not None)
+    parts, at = [], 0
+    for _, v, e in cuts:
+        parts += [buf[at:v], b"0"]
+        at = e
+    parts.append(buf[at:])
+    try:
+        out = orjson.loads(b"".join(parts))
+    except orjson.JSONDecodeError:
+        raise NotFast("answer is not one JSON object") from None
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict):
+        raise WireError(f"meta_info: expected an object, got {meta!r}")
+    return meta
+
+
+def _version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | None, int], ...]:
+    """Run-length per-token versions, equal to `sglang_wire.versions_from_spans`."""
+    if n == 0:
+        return ()
+    if spans is None:
+        return ((default, n),)
+    if not isinstance(spans, list):
+        raise WireError(f"meta_info.weight_versions: expected a list, got {spans!r}")
+    labels: list[str | None] = [default]
+    which = np.zeros(n, dtype=np.int64)
+    for i, span in enumerate(spans):
+        if not isinstance(span, dict):
+            raise WireError(f"meta_info.weight_versions[{i}]: expected an object, got {span!r}")
+        start, end, version = span.get("start"), span.get("end"), span.get("version")
+        if not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= end:
+            raise WireError(f"meta_info.weight_versions[{i}]: bad start/end {start!r}/{end!r}")
+        labels.append(None if version is None else str(version))
+        which[start:end] = len(labels) - 1
+    cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), n]
+    runs: list[tuple[str | None, int]] = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        label = labels[int(which[lo])]
+        if runs and runs[-1][0] == label:
+            runs[-1] = (label, runs[-1][1] + hi - lo)
+        else:
+            runs.append((label, hi - lo))
+    return tuple(runs)
+
+
+def _finish_type(reason: Any) -> str | None:
+    if reason is None:
+        return None
+    if isinstance(reason, dict):
+        kind = reason.get("type")
+        return None if kind is None else str(kind)
+    return str(reason)
+
+
+def _without(buf: bytes, k: int, e: int) -> tuple[int, int]:
+    """The byte range to delete for the member ``"key":value`` at ``buf[k:e]``."""
+    if buf[k - 1 : k] != b",":
+        raise NotFast("a removed member is the first of its object")
+    return k - 1, e
+
+
+def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
+    """One sample's answer or chunk as the client's own request would have had it."""
+    cuts: list[tuple[int, int, bytes]] = []
+    if plan.added_prompt_ids:
+        span = value_span(buf, b"prompt_token_ids")
+        if span is not None:
+            cuts.append((*_without(buf, span[0], span[2]), b""))
+    if not plan.want_logprob[item]:
+        cuts += _drops(buf, _LOGPROB_KEYS)
+    elif plan.raised_topk:
+        k0 = plan.want_topk[item]
+        if k0 <= 0:
+            cuts += _drops(buf, _TOP_KEYS)
+        else:
+            for key in _TOP_KEYS:
+                span = value_span(buf, key)
+                if span is None:
+                    continue
+                rows = orjson.loads(buf[span[1] : span[2]])
+                if isinstance(rows, list):
+                    rows = [r[:k0] if isinstance(r, list) else r for r in rows]
+                cuts.append((span[1], span[2], orjson.dumps(rows)))
+    if not cuts:
+        return buf
+    cuts.sort()
+    parts, at = [], 0
+    for lo, hi, new in cuts:
+        if lo < at:
+            raise NotFast("overlapping members")
+        parts += [buf[at:lo], new]
+        at = hi
+    parts.append(buf[at:])
+    return b"".join(parts)
+
+
+def _drops(buf: bytes, keys: tuple[bytes, ...]) -> list[tuple[int, int, bytes]]:
+    out = []
+    for key in keys:
+        span = value_span(buf, key)
+        if span is not None:
+            out.append((*_without(buf, span[0], span[2]), b""))
+    return out

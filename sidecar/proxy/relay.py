@@ -1,0 +1,210 @@
+"""Capturing ``/generate`` answers and streams while relaying them to the client.
+
+Each answer or stream chunk is first read on its bytes (`proxy.fastwire`); whatever that path
+refuses (batch answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
+(`proxy.sglang_wire`, whole-JSON parse). Both give the client the same bytes. In a stream, a
+sample stays on the path its first chunk took.
+
+Streams are cut into ``data: ...\\n\\n`` frames as bytes arrive, searching only the bytes not
+searched yet, and every frame complete in one read is relayed in one write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore, stream_index
+from timwatch.sidecar.proxy.records import HeldRecord
+from timwatch.sidecar.proxy.sglang_wire import (
+    RequestPlan,
+    SampleState,
+    WireError,
+    dumps,
+    is_finished,
+    loads,
+    outputs_of,
+)
+
+__all__ = ["Capturer", "capture_answer", "relay_stream"]
+
+log = logging.getLogger(__name__)
+
+
+class Capturer:
+    """Where finished samples go: the proxy's commit, its counters and the vocabulary size."""
+
+    def __init__(
+        self,
+        commit: Callable[[HeldRecord], None],
+        counters: dict[str, int],
+        vocab_size: int | None,
+    ) -> None:
+        self.commit = commit
+        self.counters = counters
+        self.vocab_size = vocab_size
+
+    def wire_error(self, what: str, exc: Exception) -> None:
+        self.counters["wire_errors"] += 1
+        log.warning("%s not captured: %s", what, exc)
+
+    def fallback(self, plan: RequestPlan, idx: int) -> list[int] | None:
+        prompts = plan.client_input_ids
+        return prompts[plan.prompt_index(idx)] if prompts else None
+
+    def commit_state(
+        self, sample: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int
+    ) -> None:
+        record = sample.record(
+            out["meta_info"], fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
+        )
+        self.commit(HeldRecord.pack(record))
+
+
+def capture_answer(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
+    """Capture every finished sample of a non-streamed answer; return the client's bytes."""
+    if content.startswith(b"{"):
+        try:
+            client = restore(content, plan, 0) if plan.changed else content
+            last = finished(content)
+        except NotFast:
+            pass
+        else:
+            if last:
+                sample = FastSample()
+                try:
+                    sample.take_answer(content)
+                    cap.commit(
+                        sample.record(
+                            content,
+                            fallback_prompt=cap.fallback(plan, 0),
+                            vocab_size=cap.vocab_size,
+                        )
+                    )
+                except NotFast:
+                    return _answer_objects(cap, plan, content)
+                except (WireError, ValueError) as exc:
+                    cap.wire_error("answer 0", exc)
+            return client
+    return _answer_objects(cap, plan, content)
+
+
+def _answer_objects(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
+    try:
+        answer = loads(content)
+        outputs = outputs_of(answer)
+    except ValueError as exc:
+        cap.counters["wire_errors"] += 1
+        log.warning("unparseable /generate answer passed through: %s", exc)
+        return content
+    for idx, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            continue
+        try:
+            if is_finished(out):
+                sample = SampleState()
+                sample.feed(out, stream=False)
+                cap.commit_state(sample, out, plan, idx)
+        except (WireError, ValueError) as exc:
+            cap.wire_error(f"answer {idx}", exc)
+        plan.restore(out, idx)
+    return dumps(answer) if plan.changed else content
+
+
+class _Stream:
+    """The samples of one streamed request, each on the byte path or the object path."""
+
+    def __init__(self, cap: Capturer, plan: RequestPlan) -> None:
+        self.cap, self.plan = cap, plan
+        self.fast: dict[int, FastSample] = {}
+        self.slow: dict[int, SampleState] = {}
+        self.on_objects: set[int] = set()
+
+    def frame(self, frame: bytes) -> bytes:
+        if not frame.startswith(b"data: {"):
+            return frame
+        payload = frame[6:-2]
+        try:
+            idx = stream_index(payload)
+        except NotFast:
+            return self._objects(frame, payload)
+        if idx in self.on_objects:
+            return self._objects(frame, payload)
+        try:
+            last = finished(payload)
+            client = restore(payload, self.plan, self.plan.prompt_index(idx))
+        except NotFast:
+            return self._objects(frame, payload)
+        sample = self.fast.get(idx)
+        fresh = sample is None
+        if sample is None:
+            sample = self.fast[idx] = FastSample()
+        try:
+            sample.offer(payload, last=last)
+            if last:
+                del self.fast[idx]
+                rec = sample.record(
+                    payload,
+                    fallback_prompt=self.cap.fallback(self.plan, idx),
+                    vocab_size=self.cap.vocab_size,
+                )
+                self.cap.commit(rec)
+        except NotFast as exc:
+            self.fast.pop(idx, None)
+            if fresh:
+                return self._objects(frame, payload)
+            self.on_objects.add(idx)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        except (WireError, ValueError) as exc:
+            self.fast.pop(idx, None)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        return frame if client is payload else b"data: " + client + b"\n\n"
+
+    def _objects(self, frame: bytes, payload: bytes) -> bytes:
+        try:
+            out = loads(payload)
+        except ValueError:
+            return frame
+        if not isinstance(out, dict) or "meta_info" not in out:
+            return frame  # SGLang's in-stream {"error": ...} object
+        idx = out.get("index", 0)
+        idx = idx if isinstance(idx, int) else 0
+        self.on_objects.add(idx)
+        try:
+            sample = self.slow.setdefault(idx, SampleState())
+            sample.offer(out)
+            if is_finished(out):
+                self.cap.commit_state(self.slow.pop(idx), out, self.plan, idx)
+        except (WireError, ValueError) as exc:
+            self.slow.pop(idx, None)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        if not self.plan.changed:
+            return frame
+        self.plan.restore(out, idx)
+        return b"data: " + dumps(out) + b"\n\n"
+
+
+async def relay_stream(
+    cap: Capturer, plan: RequestPlan, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """Relay an SSE stream frame by frame, capturing finished samples on the way."""
+    stream = _Stream(cap, plan)
+    buf = bytearray()
+    searched = 0
+    async for chunk in chunks:
+        buf += chunk
+        start, out = 0, []
+        while True:
+            cut = buf.find(b"\n\n", max(searched - 1, start))
+            if cut < 0:
+                break
+            out.append(stream.frame(bytes(buf[start : cut + 2])))
+            start = cut + 2
+        if start:
+            del buf[:start]
+        searched = len(buf)
+        if out:
+            yield out[0] if len(out) == 1 else b"".join(out)
+    if buf:
+        yield bytes(buf)
