@@ -28,11 +28,12 @@ import numpy as np
 import orjson
 
 from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows
+from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
 from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError
 
 __all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
 
-_NUMERIC = b"0123456789.-+eE[],nulaNIfity"
+_LB, _RB, _COMMA = 91, 93, 44
 # The logprob-bearing keys SGLang writes into meta_info (sglang_wire._LOGPROB_PREFIXES).
 _LOGPROB_KEYS = (
     b"input_token_logprobs",
@@ -59,22 +60,34 @@ class NotFast(Exception):
     """The bytes are not in the shape this module reads exactly; use the object path."""
 
 
-def value_span(buf: bytes, key: bytes, lo: int = 0) -> tuple[int, int, int] | None:
+def _u8(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def value_span(
+    buf: bytes, key: bytes, lo: int = 0, *, check: bool = True
+) -> tuple[int, int, int] | None:
     """``(key_start, value_start, value_end)`` of a quote-free value, None if the key is absent.
 
-    Raises `NotFast` if the value is not bracket-balanced (it held a string)."""
+    With ``check``, raises `NotFast` if the value is not bracket-balanced (it held a string)."""
     pat = b'"' + key + b'":'
     k = buf.find(pat, lo)
     if k < 0:
         return None
     v = k + len(pat)
-    comma, brace = buf.find(b',"', v), buf.find(b"}", v)
-    ends = [e for e in (comma, brace) if e >= 0]
-    if not ends:
+    quote, brace = buf.find(b'"', v), buf.find(b"}", v)
+    if quote >= 0 and (brace < 0 or quote < brace):
+        if buf[quote - 1] != _COMMA:
+            raise NotFast(f"{key.decode()}: a string value")
+        e = quote - 1
+    elif brace >= 0:
+        e = brace
+    else:
         raise NotFast(f"{key.decode()}: no end")
-    e = min(ends)
-    if buf.count(b"[", v, e) != buf.count(b"]", v, e):
-        raise NotFast(f"{key.decode()}: not a quote-free value")
+    if check and e - v > 2:
+        arr = _u8(buf)[v:e]
+        if np.count_nonzero(arr == _LB) != np.count_nonzero(arr == _RB):
+            raise NotFast(f"{key.decode()}: not a quote-free value")
     return k, v, e
 
 
@@ -83,11 +96,16 @@ def finished(frame: bytes) -> bool:
     k = frame.find(b'"finish_reason":')
     if k < 0:
         raise NotFast("no finish_reason")
-    return not frame.startswith(b"null", k + 16)
+    c = frame[k + 16 : k + 17]
+    if c == b"n":
+        return False
+    if c in (b"{", b'"'):
+        return True
+    raise NotFast("finish_reason not compact JSON")
 
 
 def stream_index(frame: bytes) -> int:
-    span = value_span(frame, b"index")
+    span = value_span(frame, b"index", check=False)
     if span is None:
         return 0
     try:
@@ -97,7 +115,7 @@ def stream_index(frame: bytes) -> int:
 
 
 def _int_value(buf: bytes, key: bytes) -> int | None:
-    span = value_span(buf, key)
+    span = value_span(buf, key, check=False)
     if span is None:
         return None
     try:
@@ -106,58 +124,42 @@ def _int_value(buf: bytes, key: bytes) -> int | None:
         raise NotFast(f"{key.decode()}: not an int") from None
 
 
-def _flat_pairs(buf: bytes, v: int, e: int, count: int) -> np.ndarray:
-    """The ``(logprob, id)`` pairs of ``count`` triples in ``buf[v:e]``, shape ``(count, 2)``."""
-    body = buf[v:e]
-    if body.translate(None, _NUMERIC):
-        raise NotFast("unexpected characters in a logprob list")
-    flat = orjson.loads(b"[" + body.translate(None, b"[]").replace(b",null", b"") + b"]")
-    if len(flat) != 2 * count:
-        raise NotFast("a logprob is null or a triple has token text")
+def _floats(tokens: np.ndarray, count: int) -> np.ndarray:
     try:
-        arr = np.array(flat, dtype=np.float64).reshape(count, 2)
-    except (TypeError, ValueError):
-        raise NotFast("non-numeric logprob entry") from None
-    if np.isnan(arr).any():
-        raise NotFast("null logprob")
-    return arr
+        values = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64)
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        raise NotFast("a log-prob is not a number") from None
+    if values.shape != (count,):
+        raise NotFast("log-prob count")
+    return values
 
 
 def _triples(buf: bytes, key: bytes) -> tuple[np.ndarray, np.ndarray] | None:
-    span = value_span(buf, key)
-    if span is None:
+    pat = b'"' + key + b'":'
+    k = buf.find(pat)
+    if k < 0:
         return None
-    _, v, e = span
-    count = buf.count(b"[", v, e) - 1
+    count, _, ids, tokens = scan_triples(_u8(buf), k + len(pat))
     if count < 0:
-        raise NotFast(f"{key.decode()}: not a list")
-    pairs = _flat_pairs(buf, v, e, count)
-    ids = pairs[:, 1]
-    if count and (ids != np.floor(ids)).any():
-        raise NotFast("token id is not an int")
-    return ids.astype(np.int64), pairs[:, 0].copy()
+        raise NotFast(f"{key.decode()}: not [[logprob,id,null],...]")
+    return ids, _floats(tokens, count)
 
 
 def _top_logps(buf: bytes, n: int) -> np.ndarray | None:
     """``output_top_logprobs`` as an ``(n, k)`` array; refuses null or ragged rows."""
-    span = value_span(buf, b"output_top_logprobs")
-    if span is None:
+    pat = b'"output_top_logprobs":'
+    k = buf.find(pat)
+    if k < 0:
         return None
-    _, v, e = span
-    if n == 0:
-        return np.zeros((0, 0))
-    triples = buf.count(b"[", v, e) - 1 - n
-    if triples <= 0 or triples % n or buf.count(b"]],[[", v, e) != n - 1:
-        raise NotFast("top-k rows are null or ragged")
-    k = triples // n
-    return _flat_pairs(buf, v, e, triples)[:, 0].reshape(n, k)
+    rows, width, _, tokens = scan_rows(_u8(buf), k + len(pat))
+    if rows != n:
+        raise NotFast("top-k rows are null or ragged, or not one per token")
+    return _floats(tokens, rows * width).reshape(rows, width)
 
 
-def _triple_count(buf: bytes, key: bytes) -> int:
-    span = value_span(buf, key)
-    if span is None:
-        raise NotFast(f"{key.decode()}: missing")
-    return buf.count(b"[", span[1], span[2]) - 1
+# Bytes one [logprob,id,null] triple takes in a list, at least and at most (a 24-character
+# log-prob, an 18-digit id, brackets, commas): a list's byte length bounds its triple count.
+_MIN_TRIPLE, _MAX_TRIPLE = 10, 52
 
 
 @dataclass
@@ -172,6 +174,7 @@ class FastSample:
     logps: list[np.ndarray] = field(default_factory=list)
     tops: list[np.ndarray] | None = None
     n: int = 0
+    total: int = 0
     prompt: np.ndarray | None = None
     pending: bytes | None = None
 
@@ -179,31 +182,69 @@ class FastSample:
         total = _int_value(frame, b"output_token_logprobs_length")
         if total is None:
             raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
-        count = _triple_count(frame, b"output_token_logprobs")
-        if not last and count == total:
+        prev, self.total = self.total, total
+        if not last and self._cumulative(frame, total, total - prev):
             self.pending = frame
             return
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            if count != total:
-                self._take(pending, total=None)
-        self._take(frame, total=total)
-
-    def take_answer(self, answer: bytes) -> None:
-        self._take(answer, total=None)
-
-    def _take(self, buf: bytes, *, total: int | None) -> None:
-        got = _triples(buf, b"output_token_logprobs")
-        if got is None:
-            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
-        ids, logps = got
-        top = _top_logps(buf, len(ids))
-        delta = total is not None and self.n > 0 and len(ids) != total
+        ids, logps, top = self._parse(frame)
+        if len(ids) != total and self.pending is not None:
+            self._keep(*self._parse(self.pending), delta=False)
+        self.pending = None
+        delta = self.n > 0 and len(ids) != total
         if delta and self.n + len(ids) != total:
             raise WireError(
                 f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
                 f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
             )
+        self._keep(ids, logps, top, delta=delta)
+        self._prompt(frame)
+
+    def offer_delta(self, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
+        """An unfinished chunk already read (by `scan.scan_frames`): same rules as `offer`."""
+        self.total = total
+        if len(ids) != total and self.pending is not None:
+            self._keep(*self._parse(self.pending), delta=False)
+        self.pending = None
+        delta = self.n > 0 and len(ids) != total
+        if delta and self.n + len(ids) != total:
+            raise WireError(
+                f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
+                f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
+            )
+        self._keep(ids, logps, None, delta=delta)
+
+    def take_answer(self, answer: bytes) -> None:
+        self._keep(*self._parse(answer), delta=False)
+        self._prompt(answer)
+
+    @staticmethod
+    def _cumulative(frame: bytes, total: int, delta: int) -> bool:
+        """Whether a chunk holds all ``total`` tokens so far (else only the ``delta`` new ones),
+        from its list's byte length where that decides it, else by counting triples."""
+        if delta == total:
+            return True  # the first chunk: both readings agree
+        span = value_span(frame, b"output_token_logprobs", check=False)
+        if span is None:
+            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+        length = span[2] - span[1]
+        if length < _MIN_TRIPLE * total:
+            return False
+        if length > _MAX_TRIPLE * delta + 2:
+            return True
+        arr = _u8(frame)[span[1] : span[2]]
+        return int(np.count_nonzero(arr == _LB)) - 1 == total
+
+    @staticmethod
+    def _parse(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        got = _triples(buf, b"output_token_logprobs")
+        if got is None:
+            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+        ids, logps = got
+        return ids, logps, _top_logps(buf, len(ids))
+
+    def _keep(
+        self, ids: np.ndarray, logps: np.ndarray, top: np.ndarray | None, *, delta: bool
+    ) -> None:
         if not delta:
             self.ids, self.logps, self.n = [], [], 0
             if top is not None:
@@ -213,9 +254,16 @@ class FastSample:
         self.n += len(ids)
         if top is not None:
             self.tops = (self.tops or []) + [top]
-        span = value_span(buf, b"prompt_token_ids")
-        if span is not None:
-            self.prompt = np.array(orjson.loads(buf[span[1] : span[2]]), dtype=np.int64)
+
+    def _prompt(self, buf: bytes) -> None:
+        pat = b'"prompt_token_ids":'
+        k = buf.find(pat)
+        if k < 0:
+            return
+        count, _, values = scan_ints(_u8(buf), k + len(pat))
+        if count < 0:
+            raise NotFast("prompt_token_ids: not a list of ints")
+        self.prompt = values.copy()
 
     def record(
         self,

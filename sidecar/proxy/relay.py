@@ -15,8 +15,12 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
+import orjson
+
 from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore, stream_index
 from timwatch.sidecar.proxy.records import HeldRecord
+from timwatch.sidecar.proxy.scan import KIND_DELTA, KIND_OTHER, scan_frames
 from timwatch.sidecar.proxy.sglang_wire import (
     RequestPlan,
     SampleState,
@@ -121,6 +125,23 @@ class _Stream:
         self.slow: dict[int, SampleState] = {}
         self.on_objects: set[int] = set()
 
+    def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
+        """An unfinished chunk `scan.scan_frames` read (an unchanged request's stream)."""
+        if idx in self.on_objects:
+            return  # cannot happen with SGLang: its samples do not change shape mid-stream
+        sample = self.fast.get(idx)
+        if sample is None:
+            sample = self.fast[idx] = FastSample()
+        try:
+            sample.offer_delta(ids, logps, total)
+        except NotFast as exc:
+            self.fast.pop(idx, None)
+            self.on_objects.add(idx)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        except (WireError, ValueError) as exc:
+            self.fast.pop(idx, None)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+
     def frame(self, frame: bytes) -> bytes:
         if not frame.startswith(b"data: {"):
             return frame
@@ -188,8 +209,17 @@ class _Stream:
 async def relay_stream(
     cap: Capturer, plan: RequestPlan, chunks: AsyncIterator[bytes]
 ) -> AsyncIterator[bytes]:
-    """Relay an SSE stream frame by frame, capturing finished samples on the way."""
+    """Relay an SSE stream, capturing finished samples on the way.
+
+    When the proxy changed nothing in the request the client gets the upstream's bytes as they
+    come, each read passed on at once; the frames are cut out and read beside it, the small
+    delta chunks of a whole read in one compiled pass (`scan.scan_frames`). Otherwise each
+    frame is restored on its own and every frame complete in one read goes out in one write."""
     stream = _Stream(cap, plan)
+    if not plan.changed:
+        async for chunk in _capture_reads(stream, chunks):
+            yield chunk
+        return
     buf = bytearray()
     searched = 0
     async for chunk in chunks:
@@ -208,3 +238,23 @@ async def relay_stream(
             yield out[0] if len(out) == 1 else b"".join(out)
     if buf:
         yield bytes(buf)
+
+
+async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    tail = b""
+    async for chunk in chunks:
+        yield chunk
+        buf = tail + chunk if tail else chunk
+        if b"\n\n" not in chunk and tail:
+            tail = buf  # a long frame still arriving: scan it once it is whole
+            continue
+        rows, used, ids, tokens = scan_frames(np.frombuffer(buf, dtype=np.uint8))
+        tail = buf[used:]
+        if not len(rows):
+            continue
+        logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids
+        for start, end, kind, idx, total, count, at in rows.tolist():
+            if kind == KIND_DELTA:
+                stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
+            elif kind == KIND_OTHER:
+                stream.frame(buf[start:end])

@@ -8,14 +8,17 @@ path is forwarded byte for byte, streamed both ways. Upstream errors pass back u
 (status, headers, body). The proxy keeps no per-request state beyond the stream it is relaying.
 
 Read-only debug endpoints live under ``/timwatch/`` (SGLang has no such prefix):
-``/timwatch/records`` (held records and counters), ``/timwatch/probes`` (recent probe results,
-prober counters and, with `proxy.probe_forward`, the forwarder's), ``/timwatch/healthz``.
+``/timwatch/records`` (held records and counters), ``/timwatch/counters`` (the counters
+alone: captured, evicted and ``evicted_bytes`` by the byte bound, ``held_bytes``),
+``/timwatch/probes`` (recent probe results, prober counters and, with `proxy.probe_forward`,
+the forwarder's), ``/timwatch/healthz``.
 Trainer reports and the forwarding of probes to the monitor are installed on top by
 `proxy.join_http.install_join` and `proxy.probe_forward.install_probe_forward`.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,6 +36,7 @@ from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, 
 from timwatch.sidecar.proxy.records import HeldRecord
 from timwatch.sidecar.proxy.relay import Capturer, capture_answer, relay_stream
 from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
+from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamResponse
 
 __all__ = ["create_app", "ProxyState"]
 
@@ -78,7 +82,9 @@ class ProxyState:
         self.vocab_size = vocab_size
         self.capture = capture
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s or 10.0, 10.0))
+        self.timeout_s = timeout_s
         self.client: httpx.AsyncClient | None = None
+        self.generate_upstream: Upstream | None = None
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
         self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
@@ -89,19 +95,19 @@ class ProxyState:
             raise RuntimeError("proxy client not started (lifespan not run)")
         return self.client
 
+    def generate_client(self) -> Upstream:
+        if self.generate_upstream is None:
+            raise RuntimeError("proxy client not started (lifespan not run)")
+        return self.generate_upstream
+
     def commit(self, record: HeldRecord) -> None:
         self.capture.add(record)
         if self.prober is not None and probe_selected(record.rid, self.probe_rate):
             self.prober.maybe_probe(record.unpack())
 
 
-def _request_headers(request: Request, *, identity: bool) -> dict[str, str]:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-    if identity:
-        # The proxy parses /generate answers, so ask for them uncompressed.
-        headers.pop("accept-encoding", None)
-        headers.pop("content-length", None)
-    return headers
+def _request_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
 def _response_headers(resp: httpx.Response, *, keep_length: bool) -> dict[str, str]:
@@ -126,7 +132,7 @@ async def _relay(state: ProxyState, request: Request, content: Any, path: str) -
     req = client.build_request(
         request.method,
         _target(state, request, path),
-        headers=_request_headers(request, identity=False),
+        headers=_request_headers(request),
         content=content,
     )
     try:
@@ -158,49 +164,68 @@ async def _generate(request: Request) -> Response:
     plan = plan_request(body, state.topk)
     if plan is None:
         return await _relay(state, request, raw, request.url.path)
-    client = state.http()
-    req = client.build_request(
-        request.method,
-        _target(state, request, request.url.path),
-        headers=_request_headers(request, identity=True),
-        content=dumps(plan.body) if plan.changed else raw,
-    )
+    query = request.url.query
     try:
-        resp = await client.send(req, stream=True)
-    except httpx.HTTPError as exc:
-        state.counters["upstream_errors"] += 1
-        return _gateway_error(exc, state.upstream)
-    if resp.status_code != 200:
-        state.counters["upstream_errors"] += 1
-        return StreamingResponse(
-            resp.aiter_raw(),
-            status_code=resp.status_code,
-            headers=_response_headers(resp, keep_length=True),
-            background=BackgroundTask(resp.aclose),
+        resp = await state.generate_client().request(
+            request.method,
+            request.url.path + (f"?{query}" if query else ""),
+            _generate_headers(request),
+            dumps(plan.body) if plan.changed else raw,
         )
-    if plan.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
+    except UpstreamError as exc:
+        state.counters["upstream_errors"] += 1
+        return _upstream_error(exc, state.upstream)
+    if resp.status != 200:
+        state.counters["upstream_errors"] += 1
+        try:
+            content = await resp.read()
+        except UpstreamError as exc:
+            return _upstream_error(exc, state.upstream)
+        finally:
+            resp.release()
+        return Response(content, status_code=resp.status, headers=_answer_headers(resp, True))
+    if plan.stream and resp.header("content-type").startswith("text/event-stream"):
         return StreamingResponse(
-            _closing(relay_stream(state.capturer, plan, resp.aiter_bytes()), resp),
-            status_code=resp.status_code,
-            headers=_response_headers(resp, keep_length=False),
+            _closing(relay_stream(state.capturer, plan, resp.chunks()), resp),
+            status_code=resp.status,
+            headers=_answer_headers(resp, False),
         )
     try:
-        content = await resp.aread()
+        content = await resp.read()
+    except UpstreamError as exc:
+        state.counters["upstream_errors"] += 1
+        return _upstream_error(exc, state.upstream)
     finally:
-        await resp.aclose()
+        resp.release()
     return Response(
         capture_answer(state.capturer, plan, content),
-        status_code=resp.status_code,
-        headers=_response_headers(resp, keep_length=False),
+        status_code=resp.status,
+        headers=_answer_headers(resp, False),
     )
 
 
-async def _closing(chunks: AsyncIterator[bytes], resp: httpx.Response) -> AsyncIterator[bytes]:
+def _generate_headers(request: Request) -> list[tuple[str, str]]:
+    # The proxy parses /generate answers, so it asks for them uncompressed.
+    drop = _HOP_BY_HOP | {"accept-encoding", "content-length"}
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+
+
+def _answer_headers(resp: UpstreamResponse, keep_length: bool) -> dict[str, str]:
+    drop = _RESPONSE_DROP if keep_length else _RESPONSE_DROP | {"content-length"}
+    return {k: v for k, v in resp.headers if k.lower() not in drop}
+
+
+def _upstream_error(exc: UpstreamError, upstream: str) -> Response:
+    message = f"timwatch sidecar: upstream {upstream} failed: {exc}"
+    return JSONResponse({"error": {"message": message}}, status_code=504 if exc.timeout else 502)
+
+
+async def _closing(chunks: AsyncIterator[bytes], resp: UpstreamResponse) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
             yield chunk
     finally:
-        await resp.aclose()
+        resp.release()
 
 
 async def _records(request: Request) -> Response:
@@ -213,6 +238,18 @@ async def _records(request: Request) -> Response:
             "proxy": dict(state.counters),
         }
     )
+
+
+async def _counters(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    capture = state.capture
+    body = {
+        "capture": capture.counters.to_dict(),
+        "held_records": len(capture),
+        "max_held_bytes": capture.max_held_bytes,
+        "proxy": dict(state.counters),
+    }
+    return JSONResponse(body)
 
 
 async def _probes(request: Request) -> Response:
@@ -269,6 +306,10 @@ def create_app(
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
             state.client = client
+            state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+            # Everything allocated so far lives as long as the proxy: keep it out of the
+            # collector's scans, which then only walk what requests allocate.
+            gc.freeze()
             if probe_rate > 0.0:
                 state.prober = Prober(
                     client,
@@ -280,10 +321,12 @@ def create_app(
             yield
             if state.prober is not None:
                 await state.prober.drain()
-            state.client = None
+            await state.generate_upstream.aclose()
+            state.client = state.generate_upstream = None
 
     routes = [
         Route("/timwatch/records", _records, methods=["GET"]),
+        Route("/timwatch/counters", _counters, methods=["GET"]),
         Route("/timwatch/probes", _probes, methods=["GET"]),
         Route("/timwatch/healthz", _healthz, methods=["GET"]),
         Route("/generate", _generate, methods=["POST", "PUT"]),
