@@ -31,38 +31,42 @@ def _token(i: int) -> tuple[int, float]:
     return (i * 7919 + 13) % VOCAB, -abs(math.sin(i * 0.37)) * 3.0 - 1e-3
 
 
+class _Joined:
+    """Items joined by commas once; any run of them is then one slice (a memcpy)."""
+
+    def __init__(self, items: list[bytes]) -> None:
+        self.data = b",".join(items)
+        self.starts = [0]
+        for item in items:
+            self.starts.append(self.starts[-1] + len(item) + 1)
+
+    def run(self, lo: int, hi: int) -> bytes:
+        return self.data[self.starts[lo] : self.starts[hi] - 1] if hi > lo else b""
+
+
 class Answers:
-    """Byte pieces of answers for one request shape, cached by (tokens, logprob, topk, ids)."""
+    """Joined byte pieces of answers, cached by (tokens, logprob, topk)."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple[int, bool, int, bool], list[bytes]] = {}
+        self.cache: dict[tuple[int, bool, int], tuple[bytes, _Joined, _Joined, _Joined]] = {}
 
-    def pieces(self, n: int, lp: bool, k: int, pids: bool) -> list[bytes]:
-        key = (n, lp, k, pids)
+    def pieces(self, n: int, lp: bool, k: int) -> tuple[bytes, _Joined, _Joined, _Joined]:
+        key = (n, lp, k)
         if key not in self.cache:
-            self.cache[key] = self._build(n, lp, k, pids)
-        return self.cache[key]
-
-    @staticmethod
-    def _build(n: int, lp: bool, k: int, pids: bool) -> list[bytes]:
-        """Per-token byte pieces: text, output id, logprob triple, top row (each with comma)."""
-        toks = [_token(i) for i in range(n)]
-        text = [chr(97 + t % 26).encode() for t, _ in toks]
-        ids = [str(t).encode() for t, _ in toks]
-        trip = [orjson.dumps([lp_, t, None]) for t, lp_ in toks] if lp else []
-        tops = (
-            [
+            toks = [_token(i) for i in range(n)]
+            text = b"".join(chr(97 + t % 26).encode() for t, _ in toks)
+            ids = _Joined([str(t).encode() for t, _ in toks])
+            trip = _Joined([orjson.dumps([lp_, t, None]) for t, lp_ in toks] if lp else [])
+            rows = [
                 orjson.dumps([[lp_ - 0.1 * j, (t + j) % VOCAB, None] for j in range(k)])
                 for t, lp_ in toks
             ]
-            if lp and k
-            else []
-        )
-        return [b"".join(text), *ids, *trip, *tops]
+            self.cache[key] = (text, ids, trip, _Joined(rows if lp and k else []))
+        return self.cache[key]
 
 
 def _answer(
-    pieces: list[bytes],
+    pieces: tuple[bytes, _Joined, _Joined, _Joined],
     n: int,
     lo: int,
     hi: int,
@@ -72,8 +76,9 @@ def _answer(
     prompt: bytes,
 ) -> bytes:
     lp, k, pids = shape
-    text = pieces[0][lo:hi]
-    ids = b",".join(pieces[1 + lo : 1 + hi])
+    text_all, id_runs, trip, rows = pieces
+    text = text_all[lo:hi]
+    ids = id_runs.run(lo, hi)
     fin = b'{"type":"length","length":%d}' % n if finish else b"null"
     meta = [
         b'{"id":"',
@@ -85,13 +90,13 @@ def _answer(
     if lp:
         meta += [
             b',"input_token_logprobs":[],"output_token_logprobs":[',
-            b",".join(pieces[1 + n + lo : 1 + n + hi]),
+            trip.run(lo, hi),
             b'],"output_token_logprobs_length":%d' % hi,
         ]
         if k:
             meta += [
                 b',"input_top_logprobs":[],"output_top_logprobs":[',
-                b",".join(pieces[1 + 2 * n + lo : 1 + 2 * n + hi]),
+                rows.run(lo, hi),
                 b"]",
             ]
     meta += [
@@ -155,7 +160,7 @@ async def _generate(
     k = int(body.get("top_logprobs_num") or 0)
     pids = bool(body.get("return_prompt_token_ids"))
     shape = (lp, k, pids)
-    pieces = answers.pieces(n, lp, k, pids)
+    pieces = answers.pieces(n, lp, k)
     rid = b"%032x" % next(_ids)
     prompt = orjson.dumps(body.get("input_ids") or list(range(16)))
     if not body.get("stream"):

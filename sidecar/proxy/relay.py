@@ -35,6 +35,9 @@ __all__ = ["Capturer", "capture_answer", "relay_stream"]
 
 log = logging.getLogger(__name__)
 
+# Stream chunks up to this size are read by `scan.scan_frames`, larger ones on their own.
+_SMALL_FRAME = 4096
+
 
 class Capturer:
     """Where finished samples go: the proxy's commit, its counters and the vocabulary size."""
@@ -245,13 +248,21 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
     async for chunk in chunks:
         yield chunk
         buf = tail + chunk if tail else chunk
-        if b"\n\n" not in chunk and tail:
-            tail = buf  # a long frame still arriving: scan it once it is whole
+        cut = buf.find(b"\n\n", max(len(tail) - 1, 0))
+        if cut < 0:
+            tail = buf  # one frame still arriving
             continue
-        rows, used, ids, tokens = scan_frames(np.frombuffer(buf, dtype=np.uint8))
+        if cut + 2 > _SMALL_FRAME:
+            # large frames (a cumulative stream): cut at memchr speed, each read on its bytes
+            start = 0
+            while cut >= 0:
+                stream.frame(buf[start : cut + 2])
+                start = cut + 2
+                cut = buf.find(b"\n\n", start)
+            tail = buf[start:]
+            continue
+        rows, used, ids, tokens = scan_frames(np.frombuffer(buf, dtype=np.uint8), _SMALL_FRAME)
         tail = buf[used:]
-        if not len(rows):
-            continue
         logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids
         for start, end, kind, idx, total, count, at in rows.tolist():
             if kind == KIND_DELTA:

@@ -305,7 +305,7 @@ def _scan_frames(
 
 
 def scan_frames(
-    buf: np.ndarray, small: int = 16384
+    buf: np.ndarray, small: int = 4096
 ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
     """Cut ``data: ...\\n\\n`` frames out of a stream buffer and read the small delta chunks.
 

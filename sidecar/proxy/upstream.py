@@ -151,14 +151,21 @@ class UpstreamResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (de-chunked); raises `UpstreamError` if it breaks off."""
         while True:
-            while self._chunks:
-                chunk = self._chunks.popleft()
-                self._buffered -= len(chunk)
-                if self._paused and self._buffered <= _HIGH_WATER // 2:
+            if self._chunks:
+                # all that arrived since the last turn, as one piece: under load the relay's
+                # per-piece work is paid once per many stream chunks
+                if len(self._chunks) == 1:
+                    chunk = self._chunks.popleft()
+                else:
+                    chunk = b"".join(self._chunks)
+                    self._chunks.clear()
+                self._buffered = 0
+                if self._paused:
                     self._paused = False
                     if self._conn.transport is not None:
                         self._conn.transport.resume_reading()
                 yield chunk
+                continue
             if self._done:
                 return
             if self._error is not None:
