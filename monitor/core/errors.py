@@ -9,6 +9,8 @@ Each subclass also keeps the builtin base callers already catch (`ValueError` fo
     │   ├── BatchError                     a batch that fails validation (field, index)
     │   ├── JoinError                      a malformed trainer report (field)
     │   └── WireError                      an engine answer of the wrong shape
+    ├── NotFast                            the proxy's byte path declines; it parses instead
+    ├── UpstreamError (ConnectionError)    the proxy's engine is unreachable or broke off
     ├── StoreUnavailable (RuntimeError)    the history store is down, locked or full
     ├── SeriesMismatch (RuntimeError)      stored series chunks disagree with each other
     ├── InsecureBindError (RuntimeError)   a public bind without a write token
@@ -26,10 +28,12 @@ __all__ = [
     "InputError",
     "InsecureBindError",
     "JoinError",
+    "NotFast",
     "SeriesMismatch",
     "StoreUnavailable",
     "TimwatchError",
     "TimwatchHTTPError",
+    "UpstreamError",
     "WireError",
 ]
 
@@ -64,6 +68,18 @@ class JoinError(InputError):
 
 class WireError(TimwatchError, ValueError):
     """An engine answer that does not have the expected shape; names the field and index."""
+
+
+class NotFast(TimwatchError):
+    """Bytes the SGLang proxy's byte path does not read exactly; it takes the object path."""
+
+
+class UpstreamError(TimwatchError, ConnectionError):
+    """The proxy's engine could not be reached or broke off; ``timeout`` if it was too slow."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
 
 
 class StoreUnavailable(TimwatchError, RuntimeError):

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from timwatch.monitor.core.errors import NotFast
 from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows
 from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
 from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError
@@ -54,10 +55,6 @@ _BULK_KEYS = (
     b"input_top_logprobs",
     b"output_top_logprobs",
 )
-
-
-class NotFast(Exception):
-    """The bytes are not in the shape this module reads exactly; use the object path."""
 
 
 def _u8(buf: bytes) -> np.ndarray:

@@ -22,17 +22,11 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from timwatch.monitor.core.errors import UpstreamError
+
 __all__ = ["Upstream", "UpstreamResponse", "UpstreamError"]
 
 _HIGH_WATER = 1 << 20
-
-
-class UpstreamError(Exception):
-    """The upstream could not be reached or broke off; ``timeout`` if it was too slow."""
-
-    def __init__(self, message: str, *, timeout: bool = False) -> None:
-        super().__init__(message)
-        self.timeout = timeout
 
 
 class _Conn(asyncio.Protocol):
