@@ -31,7 +31,7 @@ from timwatch.sidecar.proxy.sglang_wire import (
     outputs_of,
 )
 
-__all__ = ["Capturer", "capture_answer", "relay_stream"]
+__all__ = ["Capturer", "answer_parts", "capture_answer", "relay_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -71,30 +71,42 @@ class Capturer:
 
 def capture_answer(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
     """Capture every finished sample of a non-streamed answer; return the client's bytes."""
-    if content.startswith(b"{"):
+    client, later = answer_parts(cap, plan, content)
+    if later is not None:
+        later()
+    return client
+
+
+def answer_parts(
+    cap: Capturer, plan: RequestPlan, content: bytes
+) -> tuple[bytes, Callable[[], None] | None]:
+    """The client's bytes of a non-streamed answer, and the capture still to run (None if it
+    already ran): the proxy sends the bytes first, so capturing adds nothing to the latency."""
+    if not content.startswith(b"{"):
+        return _answer_objects(cap, plan, content), None
+    try:
+        client = restore(content, plan, 0) if plan.changed else content
+        last = finished(content)
+    except NotFast:
+        return _answer_objects(cap, plan, content), None
+    if not last:
+        return client, None
+
+    def capture() -> None:
+        sample = FastSample()
         try:
-            client = restore(content, plan, 0) if plan.changed else content
-            last = finished(content)
+            sample.take_answer(content)
+            record = sample.record(
+                content, fallback_prompt=cap.fallback(plan, 0), vocab_size=cap.vocab_size
+            )
         except NotFast:
-            pass
+            _answer_objects(cap, plan, content)
+        except (WireError, ValueError) as exc:
+            cap.wire_error("answer 0", exc)
         else:
-            if last:
-                sample = FastSample()
-                try:
-                    sample.take_answer(content)
-                    cap.commit(
-                        sample.record(
-                            content,
-                            fallback_prompt=cap.fallback(plan, 0),
-                            vocab_size=cap.vocab_size,
-                        )
-                    )
-                except NotFast:
-                    return _answer_objects(cap, plan, content)
-                except (WireError, ValueError) as exc:
-                    cap.wire_error("answer 0", exc)
-            return client
-    return _answer_objects(cap, plan, content)
+            cap.commit(record)
+
+    return client, capture
 
 
 def _answer_objects(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -34,7 +34,7 @@ from starlette.routing import Route
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from timwatch.sidecar.proxy.records import HeldRecord
-from timwatch.sidecar.proxy.relay import Capturer, capture_answer, relay_stream
+from timwatch.sidecar.proxy.relay import Capturer, answer_parts, relay_stream
 from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
 from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamResponse
 
@@ -197,11 +197,19 @@ async def _generate(request: Request) -> Response:
         return _upstream_error(exc, state.upstream)
     finally:
         resp.release()
+    client, capture = answer_parts(state.capturer, plan, content)
     return Response(
-        capture_answer(state.capturer, plan, content),
+        client,
         status_code=resp.status,
         headers=_answer_headers(resp, False),
+        background=None if capture is None else BackgroundTask(_run_now, capture),
     )
+
+
+async def _run_now(capture: Callable[[], None]) -> None:
+    # async, so Starlette runs it in the request's own task right after the last byte is
+    # written, before the loop serves anything else (a sync one would go to a thread)
+    capture()
 
 
 def _generate_headers(request: Request) -> list[tuple[str, str]]:
