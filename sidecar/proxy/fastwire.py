@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 from timwatch.monitor.core.errors import NotFast
-from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows
+from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows, version_runs
 from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
 from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError
 
@@ -293,7 +293,7 @@ class FastSample:
             input_ids=prompt,
             output_ids=ids,
             logp=logp,
-            runs=_version_runs(meta.get("weight_versions"), self.n, wv),
+            runs=version_runs(meta.get("weight_versions"), self.n, wv),
             finish_reason=_finish_type(reason),
             weight_version=wv,
             entropy_lower=lower,
@@ -318,35 +318,6 @@ def _small_meta(buf: bytes) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise WireError(f"meta_info: expected an object, got {meta!r}")
     return meta
-
-
-def _version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | None, int], ...]:
-    """Run-length per-token versions, equal to `sglang_wire.versions_from_spans`."""
-    if n == 0:
-        return ()
-    if spans is None:
-        return ((default, n),)
-    if not isinstance(spans, list):
-        raise WireError(f"meta_info.weight_versions: expected a list, got {spans!r}")
-    labels: list[str | None] = [default]
-    which = np.zeros(n, dtype=np.int64)
-    for i, span in enumerate(spans):
-        if not isinstance(span, dict):
-            raise WireError(f"meta_info.weight_versions[{i}]: expected an object, got {span!r}")
-        start, end, version = span.get("start"), span.get("end"), span.get("version")
-        if not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= end:
-            raise WireError(f"meta_info.weight_versions[{i}]: bad start/end {start!r}/{end!r}")
-        labels.append(None if version is None else str(version))
-        which[start:end] = len(labels) - 1
-    cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), n]
-    runs: list[tuple[str | None, int]] = []
-    for lo, hi in zip(cuts, cuts[1:], strict=False):
-        label = labels[int(which[lo])]
-        if runs and runs[-1][0] == label:
-            runs[-1] = (label, runs[-1][1] + hi - lo)
-        else:
-            runs.append((label, hi - lo))
-    return tuple(runs)
 
 
 def _finish_type(reason: Any) -> str | None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from timwatch.monitor.core.errors import WireError
+
 __all__ = [
     "RolloutRecord",
     "HeldRecord",
@@ -35,6 +37,7 @@ __all__ = [
     "topk_entropy_bounds_rows",
     "EntropyBounds",
     "version_as_int",
+    "version_runs",
 ]
 
 
@@ -116,6 +119,35 @@ def topk_entropy_bounds_rows(
     safe = np.where(mass > 0.0, mass, 1.0)
     tail = np.where(mass > 0.0, np.maximum(mass * np.log(rest / safe), 0.0), 0.0)
     return lower, tail
+
+
+def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | None, int], ...]:
+    """Run-length per-token versions, equal to `sglang_wire.versions_from_spans`."""
+    if n == 0:
+        return ()
+    if spans is None:
+        return ((default, n),)
+    if not isinstance(spans, list):
+        raise WireError(f"meta_info.weight_versions: expected a list, got {spans!r}")
+    labels: list[str | None] = [default]
+    which = np.zeros(n, dtype=np.int64)
+    for i, span in enumerate(spans):
+        if not isinstance(span, dict):
+            raise WireError(f"meta_info.weight_versions[{i}]: expected an object, got {span!r}")
+        start, end, version = span.get("start"), span.get("end"), span.get("version")
+        if not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= end:
+            raise WireError(f"meta_info.weight_versions[{i}]: bad start/end {start!r}/{end!r}")
+        labels.append(None if version is None else str(version))
+        which[start:end] = len(labels) - 1
+    cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), n]
+    runs: list[tuple[str | None, int]] = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        label = labels[int(which[lo])]
+        if runs and runs[-1][0] == label:
+            runs[-1] = (label, runs[-1][1] + hi - lo)
+        else:
+            runs.append((label, hi - lo))
+    return tuple(runs)
 
 
 def version_as_int(label: str | None) -> int | None:

@@ -111,7 +111,7 @@ def test_unchanged_request_keeps_the_bytes() -> None:
     "meta",
     [
         # token text in the log-probs: strings inside the triples
-        {"output_token_logprobs": [[-0.5, 3, "a,\"b"], [-0.25, 4, "]]"]]},
+        {"output_token_logprobs": [[-0.5, 3, 'a,"b'], [-0.25, 4, "]]"]]},
         # a null log-prob
         {"output_token_logprobs": [[-0.5, 3, None], [None, 4, None]]},
         # a null top-k row
