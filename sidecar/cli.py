@@ -53,6 +53,12 @@ def sglang(
         None, "--timeout", help="Upstream timeout in seconds (default: wait as long as clients)"
     ),
     ttl_s: float = typer.Option(900.0, "--ttl", help="Seconds an unjoined record is kept"),
+    max_held_bytes: int = typer.Option(
+        2 << 30,
+        "--max-held-bytes",
+        min=1,
+        help="Bytes of unjoined records held at most; the oldest are dropped first (counted)",
+    ),
     report_ttl_s: float = typer.Option(
         60.0, "--report-ttl", help="Seconds a trainer report waits for its rollout records"
     ),
@@ -89,6 +95,7 @@ def sglang(
         vocab_size=vocab_size,
         timeout_s=timeout_s,
         ttl_s=ttl_s,
+        max_held_bytes=max_held_bytes,
     )
     if monitor:
         install_join(app, monitor=monitor, run=run, token=token, report_ttl_s=report_ttl_s)

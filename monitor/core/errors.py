@@ -10,6 +10,8 @@ Each subclass also keeps the builtin base callers already catch (`ValueError` fo
     │   ├── JoinError                      a malformed trainer report (field)
     │   └── WireError                      an engine answer of the wrong shape
     ├── ConfigError (ValueError)           a setting that cannot work (URL, path, port, driver)
+    ├── NotFast                            the proxy's byte path declines; it parses instead
+    ├── UpstreamError (ConnectionError)    the proxy's engine is unreachable or broke off
     ├── StoreUnavailable (RuntimeError)    the history store is down, locked or full
     ├── SeriesMismatch (RuntimeError)      stored series chunks disagree with each other
     ├── InsecureBindError (RuntimeError)   a public bind without a write token
@@ -28,10 +30,12 @@ __all__ = [
     "InputError",
     "InsecureBindError",
     "JoinError",
+    "NotFast",
     "SeriesMismatch",
     "StoreUnavailable",
     "TimwatchError",
     "TimwatchHTTPError",
+    "UpstreamError",
     "WireError",
 ]
 
@@ -71,6 +75,18 @@ class WireError(TimwatchError, ValueError):
 class ConfigError(TimwatchError, ValueError):
     """A setting the user gave that cannot work (a database URL, a path, a port, a missing
     driver); the message is one line that says how to fix it."""
+
+
+class NotFast(TimwatchError):
+    """Bytes the SGLang proxy's byte path does not read exactly; it takes the object path."""
+
+
+class UpstreamError(TimwatchError, ConnectionError):
+    """The proxy's engine could not be reached or broke off; ``timeout`` if it was too slow."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
 
 
 class StoreUnavailable(TimwatchError, RuntimeError):

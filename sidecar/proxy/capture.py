@@ -4,7 +4,10 @@ The join finds a record either by the engine's request id (frameworks that keep 
 ``meta_info.id``) or by the sampled token ids (frameworks that only keep tokens). Records that
 no trainer report claims within ``ttl_s`` expire and are counted, so a sidecar in front of an
 engine whose samples are filtered out (rejected rollouts, eval traffic) stays bounded; the
-``max_records`` cap evicts the oldest first for the same reason.
+``max_records`` cap and the ``max_held_bytes`` bound evict the oldest first for the same reason
+(``evicted`` counts them, ``evicted_bytes`` their bytes; ``held_bytes`` is what is held now).
+Records are held as `HeldRecord` arrays (about 28 bytes per token) and handed out as
+`RolloutRecord` again, so the byte bound is what the records really cost.
 
 Thread-safe: the proxy's event loop adds records while the joiner may pop from another thread.
 """
@@ -17,9 +20,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from timwatch.sidecar.proxy.records import RolloutRecord
+import numpy as np
 
-__all__ = ["CaptureStore", "CaptureCounters"]
+from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
+
+__all__ = ["CaptureStore", "CaptureCounters", "DEFAULT_MAX_HELD_BYTES"]
+
+DEFAULT_MAX_HELD_BYTES = 2 << 30
 
 
 @dataclass
@@ -29,6 +36,8 @@ class CaptureCounters:
     popped: int = 0
     expired: int = 0
     evicted: int = 0
+    evicted_bytes: int = 0
+    held_bytes: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -42,65 +51,87 @@ class CaptureStore:
         *,
         ttl_s: float = 900.0,
         max_records: int = 200_000,
+        max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if max_records <= 0:
             raise ValueError(f"max_records must be > 0, got {max_records}")
+        if max_held_bytes <= 0:
+            raise ValueError(f"max_held_bytes must be > 0, got {max_held_bytes}")
         self.ttl_s = ttl_s
         self.max_records = max_records
+        self.max_held_bytes = max_held_bytes
         self._clock = clock
         self._lock = threading.Lock()
-        self._by_rid: OrderedDict[str, tuple[float, RolloutRecord]] = OrderedDict()
-        self._by_tokens: dict[tuple[int, ...], deque[str]] = {}
+        self._by_rid: OrderedDict[str, tuple[float, HeldRecord]] = OrderedDict()
+        # hash of the output ids' bytes -> rids; a hit is confirmed by comparing the arrays
+        self._by_tokens: dict[int, deque[str]] = {}
         self.counters = CaptureCounters()
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_rid)
 
-    def add(self, record: RolloutRecord) -> None:
-        """Store a record; a second record with the same rid replaces the first."""
+    @property
+    def held_bytes(self) -> int:
+        return self.counters.held_bytes
+
+    def add(self, record: RolloutRecord | HeldRecord) -> None:
+        """Store a record; a second record with the same rid replaces the first. Then the
+        oldest records are evicted until both ``max_records`` and ``max_held_bytes`` hold (a
+        single record larger than the byte bound is evicted at once, and counted)."""
+        held = record if isinstance(record, HeldRecord) else HeldRecord.pack(record)
+        key = hash(held.token_key())
         with self._lock:
             self._expire_locked(self._clock())
-            if record.rid in self._by_rid:
-                self._remove_locked(record.rid)
+            if held.rid in self._by_rid:
+                self._remove_locked(held.rid)
                 self.counters.replaced += 1
-            self._by_rid[record.rid] = (self._clock(), record)
-            self._by_tokens.setdefault(record.output_ids, deque()).append(record.rid)
+            self._by_rid[held.rid] = (self._clock(), held)
+            self._by_tokens.setdefault(key, deque()).append(held.rid)
             self.counters.captured += 1
-            while len(self._by_rid) > self.max_records:
-                oldest = next(iter(self._by_rid))
-                self._remove_locked(oldest)
+            self.counters.held_bytes += held.nbytes
+            while self._by_rid and (
+                len(self._by_rid) > self.max_records
+                or self.counters.held_bytes > self.max_held_bytes
+            ):
+                gone = self._remove_locked(next(iter(self._by_rid)))
                 self.counters.evicted += 1
+                self.counters.evicted_bytes += gone.nbytes if gone is not None else 0
 
     def pop_by_rid(self, rid: str) -> RolloutRecord | None:
         with self._lock:
             self._expire_locked(self._clock())
-            record = self._remove_locked(rid)
-            if record is not None:
-                self.counters.popped += 1
-            return record
+            held = self._remove_locked(rid)
+            if held is None:
+                return None
+            self.counters.popped += 1
+        return held.unpack()
 
     def pop_by_tokens(self, output_ids: Sequence[int]) -> RolloutRecord | None:
         """Oldest unclaimed record whose sampled tokens equal ``output_ids`` exactly."""
-        key = tuple(int(t) for t in output_ids)
+        want = np.asarray(output_ids, dtype=np.int64)
+        key = hash(want.tobytes())
         with self._lock:
             self._expire_locked(self._clock())
-            rids = self._by_tokens.get(key)
-            if not rids:
+            for rid in self._by_tokens.get(key, ()):
+                held = self._by_rid[rid][1]
+                if np.array_equal(held.output_ids, want):
+                    self._remove_locked(rid)
+                    self.counters.popped += 1
+                    break
+            else:
                 return None
-            record = self._remove_locked(rids[0])
-            if record is not None:
-                self.counters.popped += 1
-            return record
+        return held.unpack()
 
     def snapshot(self) -> list[RolloutRecord]:
         """All records still held, oldest first (read-only: nothing is popped)."""
         with self._lock:
             self._expire_locked(self._clock())
-            return [rec for _, rec in self._by_rid.values()]
+            held = [rec for _, rec in self._by_rid.values()]
+        return [rec.unpack() for rec in held]
 
     def expire(self) -> int:
         """Drop records older than ``ttl_s``; returns how many were dropped now."""
@@ -118,17 +149,19 @@ class CaptureStore:
         self.counters.expired += dropped
         return dropped
 
-    def _remove_locked(self, rid: str) -> RolloutRecord | None:
+    def _remove_locked(self, rid: str) -> HeldRecord | None:
         entry = self._by_rid.pop(rid, None)
         if entry is None:
             return None
         record = entry[1]
-        rids = self._by_tokens.get(record.output_ids)
+        self.counters.held_bytes -= record.nbytes
+        key = hash(record.token_key())
+        rids = self._by_tokens.get(key)
         if rids is not None:
             try:
                 rids.remove(rid)
             except ValueError:
                 pass
             if not rids:
-                del self._by_tokens[record.output_ids]
+                del self._by_tokens[key]
         return record

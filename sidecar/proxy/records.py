@@ -26,7 +26,19 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["RolloutRecord", "topk_entropy_bounds", "EntropyBounds", "version_as_int"]
+import numpy as np
+
+from timwatch.monitor.core.errors import WireError
+
+__all__ = [
+    "RolloutRecord",
+    "HeldRecord",
+    "topk_entropy_bounds",
+    "topk_entropy_bounds_rows",
+    "EntropyBounds",
+    "version_as_int",
+    "version_runs",
+]
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,62 @@ def topk_entropy_bounds(
         else:
             tail = max(mass * math.log(rest / mass), 0.0)
     return EntropyBounds(lower=lower, head=head, tail_mass=mass, tail=tail)
+
+
+def topk_entropy_bounds_rows(
+    logprobs: np.ndarray, *, vocab_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """`topk_entropy_bounds` for every row of an ``(n, k)`` array at once: ``(lower, tail)``.
+
+    Same bounds, summed by numpy instead of ``math.fsum`` (equal up to rounding); ``-inf``
+    entries count as probability 0, as there."""
+    p = np.exp(logprobs)
+    live = p > 0.0
+    logs = np.where(live, logprobs, 0.0)
+    head = -(p * logs).sum(axis=1)
+    mass = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
+    threshold = np.where(live, p, np.inf).min(axis=1)
+    add = (mass > 0.0) & np.isfinite(threshold) & (threshold > 0.0)
+    with np.errstate(divide="ignore"):
+        gap = -np.log(np.minimum(threshold, 1.0))
+    lower = np.where(add, head + mass * np.where(add, gap, 0.0), head)
+    if vocab_size is None:
+        return lower, None
+    rest = vocab_size - logprobs.shape[1]
+    if rest <= 0:
+        return lower, np.zeros_like(lower)
+    safe = np.where(mass > 0.0, mass, 1.0)
+    tail = np.where(mass > 0.0, np.maximum(mass * np.log(rest / safe), 0.0), 0.0)
+    return lower, tail
+
+
+def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | None, int], ...]:
+    """Run-length per-token versions, equal to `sglang_wire.versions_from_spans`."""
+    if n == 0:
+        return ()
+    if spans is None:
+        return ((default, n),)
+    if not isinstance(spans, list):
+        raise WireError(f"meta_info.weight_versions: expected a list, got {spans!r}")
+    labels: list[str | None] = [default]
+    which = np.zeros(n, dtype=np.int64)
+    for i, span in enumerate(spans):
+        if not isinstance(span, dict):
+            raise WireError(f"meta_info.weight_versions[{i}]: expected an object, got {span!r}")
+        start, end, version = span.get("start"), span.get("end"), span.get("version")
+        if not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= end:
+            raise WireError(f"meta_info.weight_versions[{i}]: bad start/end {start!r}/{end!r}")
+        labels.append(None if version is None else str(version))
+        which[start:end] = len(labels) - 1
+    cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), n]
+    runs: list[tuple[str | None, int]] = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        label = labels[int(which[lo])]
+        if runs and runs[-1][0] == label:
+            runs[-1] = (label, runs[-1][1] + hi - lo)
+        else:
+            runs.append((label, hi - lo))
+    return tuple(runs)
 
 
 def version_as_int(label: str | None) -> int | None:
@@ -169,4 +237,136 @@ class RolloutRecord:
             entropy_source=d.get("entropy_source"),
             created=float(d.get("created", time.time())),
             engine=str(d.get("engine", "sglang")),
+        )
+
+
+# What one held record costs beyond its arrays: the object, its arrays' headers, the store's
+# index entries. Measured with tracemalloc on 4,096-token records (see tests/unit/test_capture).
+HELD_OVERHEAD_BYTES = 1024
+
+
+def _tuple(values: np.ndarray | None) -> tuple[float, ...] | None:
+    return None if values is None else tuple(values.tolist())
+
+
+def _compact_ids(ids: np.ndarray) -> np.ndarray:
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
+        return ids
+    return ids.astype(np.int32)
+
+
+@dataclass(frozen=True, eq=False)
+class HeldRecord:
+    """A `RolloutRecord` as the capture store holds it: arrays and version runs, no per-token
+    Python objects (28 bytes per output token with entropy bounds, 4 per prompt token).
+
+    ``runs`` is the per-token version labels run-length encoded: ``((label, count), ...)``
+    whose counts sum to the number of output tokens."""
+
+    rid: str
+    input_ids: np.ndarray | None
+    output_ids: np.ndarray
+    logp: np.ndarray
+    runs: tuple[tuple[str | None, int], ...]
+    finish_reason: str | None
+    weight_version: str | None
+    entropy_lower: np.ndarray | None = None
+    entropy_tail: np.ndarray | None = None
+    entropy_source: str | None = None
+    created: float = field(default_factory=time.time)
+    engine: str = "sglang"
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        rid: str,
+        input_ids: np.ndarray | None,
+        output_ids: np.ndarray,
+        logp: np.ndarray,
+        runs: tuple[tuple[str | None, int], ...],
+        finish_reason: str | None,
+        weight_version: str | None,
+        entropy_lower: np.ndarray | None = None,
+        entropy_tail: np.ndarray | None = None,
+        entropy_source: str | None = None,
+    ) -> HeldRecord:
+        n = len(output_ids)
+        if sum(c for _, c in runs) != n:
+            raise ValueError(f"HeldRecord {rid!r}: version runs do not cover {n} tokens")
+        for name, arr in (("logp", logp), ("entropy_lower", entropy_lower)):
+            if arr is not None and len(arr) != n:
+                raise ValueError(f"HeldRecord {rid!r}: {name} has {len(arr)} entries, not {n}")
+        if entropy_tail is not None and len(entropy_tail) != n:
+            raise ValueError(f"HeldRecord {rid!r}: entropy_tail has {len(entropy_tail)} entries")
+        return cls(
+            rid=rid,
+            input_ids=None if input_ids is None else _compact_ids(input_ids),
+            output_ids=_compact_ids(output_ids),
+            logp=np.ascontiguousarray(logp, dtype=np.float64),
+            runs=runs,
+            finish_reason=finish_reason,
+            weight_version=weight_version,
+            entropy_lower=None if entropy_lower is None else np.asarray(entropy_lower, np.float64),
+            entropy_tail=None if entropy_tail is None else np.asarray(entropy_tail, np.float64),
+            entropy_source=entropy_source,
+        )
+
+    @classmethod
+    def pack(cls, rec: RolloutRecord) -> HeldRecord:
+        runs: list[tuple[str | None, int]] = []
+        for label in rec.versions:
+            if runs and runs[-1][0] == label:
+                runs[-1] = (label, runs[-1][1] + 1)
+            else:
+                runs.append((label, 1))
+        held = cls.build(
+            rid=rec.rid,
+            input_ids=None if rec.input_ids is None else np.array(rec.input_ids, np.int64),
+            output_ids=np.array(rec.output_ids, dtype=np.int64),
+            logp=np.array(rec.logp, dtype=np.float64),
+            runs=tuple(runs),
+            finish_reason=rec.finish_reason,
+            weight_version=rec.weight_version,
+            entropy_lower=None if rec.entropy_lower is None else np.array(rec.entropy_lower),
+            entropy_tail=None if rec.entropy_tail is None else np.array(rec.entropy_tail),
+            entropy_source=rec.entropy_source,
+        )
+        object.__setattr__(held, "created", rec.created)
+        object.__setattr__(held, "engine", rec.engine)
+        return held
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this record holds, its arrays exactly plus `HELD_OVERHEAD_BYTES`."""
+        arrays = (self.input_ids, self.output_ids, self.logp, self.entropy_lower, self.entropy_tail)
+        size = sum(a.nbytes for a in arrays if a is not None)
+        return size + HELD_OVERHEAD_BYTES + len(self.rid) + 64 * len(self.runs)
+
+    def token_key(self) -> bytes:
+        """The output ids as int64 bytes: equal keys mean equal token sequences."""
+        return self.output_ids.astype(np.int64).tobytes()
+
+    def unpack(self) -> RolloutRecord:
+        versions: list[str | None] = []
+        for label, count in self.runs:
+            versions += [label] * count
+        return RolloutRecord(
+            rid=self.rid,
+            input_ids=None if self.input_ids is None else tuple(self.input_ids.tolist()),
+            output_ids=tuple(self.output_ids.tolist()),
+            logp=tuple(self.logp.tolist()),
+            versions=tuple(versions),
+            finish_reason=self.finish_reason,
+            weight_version=self.weight_version,
+            entropy_lower=_tuple(self.entropy_lower),
+            entropy_tail=_tuple(self.entropy_tail),
+            entropy_source=self.entropy_source,
+            created=self.created,
+            engine=self.engine,
         )

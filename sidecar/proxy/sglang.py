@@ -8,16 +8,19 @@ path is forwarded byte for byte, streamed both ways. Upstream errors pass back u
 (status, headers, body). The proxy keeps no per-request state beyond the stream it is relaying.
 
 Read-only debug endpoints live under ``/timwatch/`` (SGLang has no such prefix):
-``/timwatch/records`` (held records and counters), ``/timwatch/probes`` (recent probe results,
-prober counters and, with `proxy.probe_forward`, the forwarder's), ``/timwatch/healthz``.
+``/timwatch/records`` (held records and counters), ``/timwatch/counters`` (the counters
+alone: captured, evicted and ``evicted_bytes`` by the byte bound, ``held_bytes``),
+``/timwatch/probes`` (recent probe results, prober counters and, with `proxy.probe_forward`,
+the forwarder's), ``/timwatch/healthz``.
 Trainer reports and the forwarding of probes to the monitor are installed on top by
 `proxy.join_http.install_join` and `proxy.probe_forward.install_probe_forward`.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,18 +31,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink
-from timwatch.sidecar.proxy.sglang_wire import (
-    RequestPlan,
-    SampleState,
-    WireError,
-    dumps,
-    is_finished,
-    loads,
-    outputs_of,
-    plan_request,
-)
+from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
+from timwatch.sidecar.proxy.records import HeldRecord
+from timwatch.sidecar.proxy.relay import Capturer, answer_parts, relay_stream
+from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
+from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamResponse
 
 __all__ = ["create_app", "ProxyState"]
 
@@ -85,34 +82,32 @@ class ProxyState:
         self.vocab_size = vocab_size
         self.capture = capture
         self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s or 10.0, 10.0))
+        self.timeout_s = timeout_s
         self.client: httpx.AsyncClient | None = None
+        self.generate_upstream: Upstream | None = None
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
         self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+        self.capturer = Capturer(self.commit, self.counters, vocab_size)
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:
             raise RuntimeError("proxy client not started (lifespan not run)")
         return self.client
 
-    def commit(self, state: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int) -> None:
-        prompts = plan.client_input_ids
-        fallback = prompts[plan.prompt_index(idx)] if prompts else None
-        record = state.record(
-            out["meta_info"], fallback_prompt=fallback, vocab_size=self.vocab_size
-        )
+    def generate_client(self) -> Upstream:
+        if self.generate_upstream is None:
+            raise RuntimeError("proxy client not started (lifespan not run)")
+        return self.generate_upstream
+
+    def commit(self, record: HeldRecord) -> None:
         self.capture.add(record)
-        if self.prober is not None:
-            self.prober.maybe_probe(record)
+        if self.prober is not None and probe_selected(record.rid, self.probe_rate):
+            self.prober.maybe_probe(record.unpack())
 
 
-def _request_headers(request: Request, *, identity: bool) -> dict[str, str]:
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-    if identity:
-        # The proxy parses /generate answers, so ask for them uncompressed.
-        headers.pop("accept-encoding", None)
-        headers.pop("content-length", None)
-    return headers
+def _request_headers(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
 def _response_headers(resp: httpx.Response, *, keep_length: bool) -> dict[str, str]:
@@ -137,7 +132,7 @@ async def _relay(state: ProxyState, request: Request, content: Any, path: str) -
     req = client.build_request(
         request.method,
         _target(state, request, path),
-        headers=_request_headers(request, identity=False),
+        headers=_request_headers(request),
         content=content,
     )
     try:
@@ -169,116 +164,76 @@ async def _generate(request: Request) -> Response:
     plan = plan_request(body, state.topk)
     if plan is None:
         return await _relay(state, request, raw, request.url.path)
-    client = state.http()
-    req = client.build_request(
-        request.method,
-        _target(state, request, request.url.path),
-        headers=_request_headers(request, identity=True),
-        content=dumps(plan.body) if plan.changed else raw,
-    )
+    query = request.url.query
     try:
-        resp = await client.send(req, stream=True)
-    except httpx.HTTPError as exc:
-        state.counters["upstream_errors"] += 1
-        return _gateway_error(exc, state.upstream)
-    if resp.status_code != 200:
-        state.counters["upstream_errors"] += 1
-        return StreamingResponse(
-            resp.aiter_raw(),
-            status_code=resp.status_code,
-            headers=_response_headers(resp, keep_length=True),
-            background=BackgroundTask(resp.aclose),
+        resp = await state.generate_client().request(
+            request.method,
+            request.url.path + (f"?{query}" if query else ""),
+            _generate_headers(request),
+            dumps(plan.body) if plan.changed else raw,
         )
-    if plan.stream and resp.headers.get("content-type", "").startswith("text/event-stream"):
-        return StreamingResponse(
-            _relay_stream(state, plan, resp),
-            status_code=resp.status_code,
-            headers=_response_headers(resp, keep_length=False),
-        )
-    try:
-        content = await resp.aread()
-    finally:
-        await resp.aclose()
-    return Response(
-        _answer(state, plan, content),
-        status_code=resp.status_code,
-        headers=_response_headers(resp, keep_length=False),
-    )
-
-
-def _answer(state: ProxyState, plan: RequestPlan, content: bytes) -> bytes:
-    """Capture every finished sample of a non-streamed answer; return the client's bytes."""
-    try:
-        answer = loads(content)
-        outputs = outputs_of(answer)
-    except ValueError as exc:
-        state.counters["wire_errors"] += 1
-        log.warning("unparseable /generate answer passed through: %s", exc)
-        return content
-    for idx, out in enumerate(outputs):
-        if not isinstance(out, dict):
-            continue
+    except UpstreamError as exc:
+        state.counters["upstream_errors"] += 1
+        return _upstream_error(exc, state.upstream)
+    if resp.status != 200:
+        state.counters["upstream_errors"] += 1
         try:
-            if is_finished(out):
-                sample = SampleState()
-                sample.feed(out, stream=False)
-                state.commit(sample, out, plan, idx)
-        except (WireError, ValueError) as exc:
-            state.counters["wire_errors"] += 1
-            log.warning("answer %d not captured: %s", idx, exc)
-        plan.restore(out, idx)
-    return dumps(answer) if plan.changed else content
-
-
-async def _relay_stream(
-    state: ProxyState, plan: RequestPlan, resp: httpx.Response
-) -> AsyncIterator[bytes]:
-    samples: dict[int, SampleState] = {}
-    buf = b""
+            content = await resp.read()
+        except UpstreamError as exc:
+            return _upstream_error(exc, state.upstream)
+        finally:
+            resp.release()
+        return Response(content, status_code=resp.status, headers=_answer_headers(resp, True))
+    if plan.stream and resp.header("content-type").startswith("text/event-stream"):
+        return StreamingResponse(
+            _closing(relay_stream(state.capturer, plan, resp.chunks()), resp),
+            status_code=resp.status,
+            headers=_answer_headers(resp, False),
+        )
     try:
-        async for chunk in resp.aiter_bytes():
-            buf += chunk
-            while True:
-                cut = buf.find(b"\n\n")
-                if cut < 0:
-                    break
-                frame, buf = buf[: cut + 2], buf[cut + 2 :]
-                yield _frame(state, plan, samples, frame)
-        if buf:
-            yield buf
+        content = await resp.read()
+    except UpstreamError as exc:
+        state.counters["upstream_errors"] += 1
+        return _upstream_error(exc, state.upstream)
     finally:
-        await resp.aclose()
+        resp.release()
+    client, capture = answer_parts(state.capturer, plan, content)
+    return Response(
+        client,
+        status_code=resp.status,
+        headers=_answer_headers(resp, False),
+        background=None if capture is None else BackgroundTask(_run_now, capture),
+    )
 
 
-def _frame(
-    state: ProxyState, plan: RequestPlan, samples: dict[int, SampleState], frame: bytes
-) -> bytes:
-    if not frame.startswith(b"data: "):
-        return frame
-    payload = frame[6:-2]
-    if payload == b"[DONE]":
-        return frame
+async def _run_now(capture: Callable[[], None]) -> None:
+    # async, so Starlette runs it in the request's own task right after the last byte is
+    # written, before the loop serves anything else (a sync one would go to a thread)
+    capture()
+
+
+def _generate_headers(request: Request) -> list[tuple[str, str]]:
+    # The proxy parses /generate answers, so it asks for them uncompressed.
+    drop = _HOP_BY_HOP | {"accept-encoding", "content-length"}
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+
+
+def _answer_headers(resp: UpstreamResponse, keep_length: bool) -> dict[str, str]:
+    drop = _RESPONSE_DROP if keep_length else _RESPONSE_DROP | {"content-length"}
+    return {k: v for k, v in resp.headers if k.lower() not in drop}
+
+
+def _upstream_error(exc: UpstreamError, upstream: str) -> Response:
+    message = f"timwatch sidecar: upstream {upstream} failed: {exc}"
+    return JSONResponse({"error": {"message": message}}, status_code=504 if exc.timeout else 502)
+
+
+async def _closing(chunks: AsyncIterator[bytes], resp: UpstreamResponse) -> AsyncIterator[bytes]:
     try:
-        out = loads(payload)
-    except ValueError:
-        return frame
-    if not isinstance(out, dict) or "meta_info" not in out:
-        return frame  # SGLang's in-stream {"error": ...} object
-    idx = out.get("index", 0)
-    idx = idx if isinstance(idx, int) else 0
-    try:
-        sample = samples.setdefault(idx, SampleState())
-        sample.offer(out)
-        if is_finished(out):
-            state.commit(samples.pop(idx), out, plan, idx)
-    except (WireError, ValueError) as exc:
-        state.counters["wire_errors"] += 1
-        samples.pop(idx, None)
-        log.warning("stream sample %d not captured: %s", idx, exc)
-    if not plan.changed:
-        return frame
-    plan.restore(out, idx)
-    return b"data: " + dumps(out) + b"\n\n"
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        resp.release()
 
 
 async def _records(request: Request) -> Response:
@@ -291,6 +246,18 @@ async def _records(request: Request) -> Response:
             "proxy": dict(state.counters),
         }
     )
+
+
+async def _counters(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    capture = state.capture
+    body = {
+        "capture": capture.counters.to_dict(),
+        "held_records": len(capture),
+        "max_held_bytes": capture.max_held_bytes,
+        "proxy": dict(state.counters),
+    }
+    return JSONResponse(body)
 
 
 async def _probes(request: Request) -> Response:
@@ -323,16 +290,22 @@ def create_app(
     capture: CaptureStore | None = None,
     timeout_s: float | None = None,
     ttl_s: float = 900.0,
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
 ) -> Starlette:
     """Build the proxy app. ``timeout_s=None`` waits as long as the client does, so the
-    client's own timeout decides; ``vocab_size`` enables the top-k tail bound."""
+    client's own timeout decides; ``vocab_size`` enables the top-k tail bound; records no
+    trainer collects are held for ``ttl_s`` and in at most ``max_held_bytes``."""
     state = ProxyState(
         upstream,
         monitor=monitor,
         topk=topk,
         probe_rate=probe_rate,
         vocab_size=vocab_size,
-        capture=capture if capture is not None else CaptureStore(ttl_s=ttl_s),
+        capture=(
+            capture
+            if capture is not None
+            else CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
+        ),
         timeout_s=timeout_s,
     )
 
@@ -341,6 +314,10 @@ def create_app(
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
             state.client = client
+            state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+            # Everything allocated so far lives as long as the proxy: keep it out of the
+            # collector's scans, which then only walk what requests allocate.
+            gc.freeze()
             if probe_rate > 0.0:
                 state.prober = Prober(
                     client,
@@ -352,10 +329,12 @@ def create_app(
             yield
             if state.prober is not None:
                 await state.prober.drain()
-            state.client = None
+            await state.generate_upstream.aclose()
+            state.client = state.generate_upstream = None
 
     routes = [
         Route("/timwatch/records", _records, methods=["GET"]),
+        Route("/timwatch/counters", _counters, methods=["GET"]),
         Route("/timwatch/probes", _probes, methods=["GET"]),
         Route("/timwatch/healthz", _healthz, methods=["GET"]),
         Route("/generate", _generate, methods=["POST", "PUT"]),

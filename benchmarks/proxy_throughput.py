@@ -1,0 +1,205 @@
+"""SGLang proxy throughput: one proxy core in front of a fast stand-in engine, vs direct calls.
+
+The stand-in (`benchmarks/sglang_standin.py`) and this process's load generator share core 0;
+the proxy runs alone on core 1 (``taskset``). Each scenario is measured direct (client →
+engine) and through the proxy (client → proxy → engine) back to back in the same run, and the
+ratio is printed; captured tokens/s is the proxy's ``captured`` counter over the window, "busy"
+the share of its core the proxy used (from /proc), and "per core" captured tokens per proxy
+CPU-second: what one fully loaded proxy core would capture (streams are engine-bound here).
+
+The load generator is plain asyncio + httptools: N keep-alive connections, each sending the
+next request as soon as its answer has been read in full.
+
+    python benchmarks/proxy_throughput.py [--seconds 5] [--quick] [--client logprobs|plain]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httptools
+import httpx
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start(stack: ExitStack, core: int, args: list[str], ready: str) -> int:
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    cmd = ["taskset", "-c", str(core), sys.executable, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    stack.callback(proc.wait, 10)
+    stack.callback(proc.terminate)
+    for _ in range(300):
+        try:
+            if httpx.get(ready, timeout=1).status_code == 200:
+                return proc.pid
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{ready} did not come up")
+
+
+class _Resp:
+    def __init__(self) -> None:
+        self.done = False
+        self.nbytes = 0
+
+    def on_body(self, body: bytes) -> None:
+        self.nbytes += len(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+async def _conn(port: int, request: bytes, until: float, lat: list[float], warm: float) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.perf_counter() < until:
+            t0 = time.perf_counter()
+            writer.write(request)
+            resp = _Resp()
+            parser = httptools.HttpResponseParser(resp)
+            while not resp.done:
+                data = await reader.read(1 << 20)
+                if not data:
+                    raise ConnectionError("closed")
+                parser.feed_data(data)
+            if parser.get_status_code() != 200:
+                raise RuntimeError(f"status {parser.get_status_code()}")
+            if t0 >= warm:
+                lat.append(time.perf_counter() - t0)
+    finally:
+        writer.close()
+
+
+def _load(port: int, body: dict, conc: int, seconds: float) -> tuple[float, float]:
+    """(requests/s, p50 latency ms) with ``conc`` connections for ``seconds`` after 1 s warmup."""
+    payload = orjson.dumps(body)
+    request = (
+        b"POST /generate HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(payload) + payload
+    )
+    lat: list[float] = []
+
+    async def run() -> None:
+        now = time.perf_counter()
+        warm, until = now + 1.0, now + 1.0 + seconds
+        await asyncio.gather(*(_conn(port, request, until, lat, warm) for _ in range(conc)))
+
+    t0 = time.perf_counter()
+    asyncio.run(run())
+    window = time.perf_counter() - t0 - 1.0
+    return len(lat) / window, 1e3 * statistics.median(lat) if lat else float("nan")
+
+
+def _captured(port: int) -> int:
+    return int(
+        httpx.get(f"http://127.0.0.1:{port}/timwatch/counters").json()["capture"]["captured"]
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--client", choices=["logprobs", "plain"], default="logprobs")
+    ap.add_argument("--quick", action="store_true", help="only the 4,096-token rows")
+    ap.add_argument("--topk", type=int, default=0, help="proxy --topk (0: off)")
+    args = ap.parse_args()
+    os.sched_setaffinity(0, {0})
+    scenarios = [
+        ("plain", 4096, 64),
+        ("plain", 4096, 1),
+        ("plain", 4096, 16),
+        ("plain", 4096, 256),
+        ("plain", 256, 64),
+        ("incremental", 4096, 64),
+        ("cumulative", 4096, 4),
+    ]
+    if args.quick:
+        scenarios = [s for s in scenarios if s[1] == 4096 and s[2] in (1, 64)]
+    with ExitStack() as stack:
+        ports = {}
+        for mode in ("cumulative", "incremental"):
+            e, p = _port(), _port()
+            extra = ["--incremental-streaming-output"] if mode == "incremental" else []
+            _start(
+                stack,
+                0,
+                ["benchmarks/sglang_standin.py", "--port", str(e), *extra],
+                f"http://127.0.0.1:{e}/health",
+            )
+            proxy = [
+                "-c",
+                "from timwatch.sidecar.cli import sidecar_app; sidecar_app()",
+                "sglang",
+                "--upstream",
+                f"http://127.0.0.1:{e}",
+                "--listen",
+                f"127.0.0.1:{p}",
+                "--ttl",
+                "30",
+            ]
+            proxy += ["--topk", str(args.topk)] if args.topk else []
+            pid = _start(stack, 1, proxy, f"http://127.0.0.1:{p}/timwatch/healthz")
+            ports[mode] = (e, p, pid)
+        print(
+            f"client: {args.client}; proxy topk: {args.topk or 'off'}; {args.seconds:.0f} s "
+            "per cell; engine + load generator on core 0, proxy on core 1"
+        )
+        print(
+            f"{'answer':<28}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
+            f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'per core':>9}"
+        )
+        for mode, tokens, conc in scenarios:
+            engine, proxy, pid = ports["incremental" if mode == "incremental" else "cumulative"]
+            body: dict = {
+                "input_ids": list(range(16)),
+                "sampling_params": {"max_new_tokens": tokens},
+                "stream": mode != "plain",
+            }
+            if args.client == "logprobs":
+                body["return_logprob"] = True
+            # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
+            seconds = args.seconds * (4 if mode == "cumulative" else 2 if mode != "plain" else 1)
+            d_rps, d_p50 = _load(engine, body, conc, seconds)
+            before, cpu0 = _captured(proxy), _cpu_s(pid)
+            t0 = time.perf_counter()
+            p_rps, p_p50 = _load(proxy, body, conc, seconds)
+            took = time.perf_counter() - t0
+            captured = (_captured(proxy) - before) * tokens
+            tok_s, busy = captured / took, (_cpu_s(pid) - cpu0) / took
+            label = f"{tokens} tokens, " + ("not streamed" if mode == "plain" else f"{mode} stream")
+            ratio = p_rps / d_rps if d_rps else float("nan")
+            print(
+                f"{label:<28}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
+                f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}"
+                f"{tok_s / max(busy, 1e-9) / 1e6:>8.2f}M",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""A fast stand-in for SGLang 0.5.x's ``/generate``, for throughput benchmarks only.
+
+`tests/helpers/fake_sglang.py` computes a real distribution per token, which costs more per
+token than the proxy in front of it. This one answers from precomputed bytes in SGLang's
+compact orjson format (same keys and order), so it is not the bottleneck: per request it parses
+the body with orjson and writes cached bytes (non-streamed), or the frames of a cumulative or
+incremental stream (``--incremental-streaming-output``), one ``data: ...\\n\\n`` frame per token
+as SGLang sends with ``stream_interval = 1``. Each answer gets a fresh ``meta_info.id``.
+
+Plain asyncio streams and httptools; HTTP/1.1 keep-alive; chunked encoding for streams.
+
+    python benchmarks/sglang_standin.py --port 30000 [--incremental-streaming-output]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+from typing import Any
+
+import httptools
+import orjson
+
+VOCAB = 151_936
+_ids = itertools.count()
+
+
+def _token(i: int) -> tuple[int, float]:
+    return (i * 7919 + 13) % VOCAB, -abs(math.sin(i * 0.37)) * 3.0 - 1e-3
+
+
+class _Joined:
+    """Items joined by commas once; any run of them is then one slice (a memcpy)."""
+
+    def __init__(self, items: list[bytes]) -> None:
+        self.data = b",".join(items)
+        self.starts = [0]
+        for item in items:
+            self.starts.append(self.starts[-1] + len(item) + 1)
+
+    def run(self, lo: int, hi: int) -> bytes:
+        return self.data[self.starts[lo] : self.starts[hi] - 1] if hi > lo else b""
+
+
+class Answers:
+    """Joined byte pieces of answers, cached by (tokens, logprob, topk)."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, bool, int], tuple[bytes, _Joined, _Joined, _Joined]] = {}
+
+    def pieces(self, n: int, lp: bool, k: int) -> tuple[bytes, _Joined, _Joined, _Joined]:
+        key = (n, lp, k)
+        if key not in self.cache:
+            toks = [_token(i) for i in range(n)]
+            text = b"".join(chr(97 + t % 26).encode() for t, _ in toks)
+            ids = _Joined([str(t).encode() for t, _ in toks])
+            trip = _Joined([orjson.dumps([lp_, t, None]) for t, lp_ in toks] if lp else [])
+            rows = [
+                orjson.dumps([[lp_ - 0.1 * j, (t + j) % VOCAB, None] for j in range(k)])
+                for t, lp_ in toks
+            ]
+            self.cache[key] = (text, ids, trip, _Joined(rows if lp and k else []))
+        return self.cache[key]
+
+
+def _answer(
+    pieces: tuple[bytes, _Joined, _Joined, _Joined],
+    n: int,
+    lo: int,
+    hi: int,
+    shape: tuple[bool, int, bool],
+    rid: bytes,
+    finish: bool,
+    prompt: bytes,
+) -> bytes:
+    lp, k, pids = shape
+    text_all, id_runs, trip, rows = pieces
+    text = text_all[lo:hi]
+    ids = id_runs.run(lo, hi)
+    fin = b'{"type":"length","length":%d}' % n if finish else b"null"
+    meta = [
+        b'{"id":"',
+        rid,
+        b'","finish_reason":',
+        fin,
+        b',"prompt_tokens":16,"weight_version":"default","num_retractions":0',
+    ]
+    if lp:
+        meta += [
+            b',"input_token_logprobs":[],"output_token_logprobs":[',
+            trip.run(lo, hi),
+            b'],"output_token_logprobs_length":%d' % hi,
+        ]
+        if k:
+            meta += [
+                b',"input_top_logprobs":[],"output_top_logprobs":[',
+                rows.run(lo, hi),
+                b"]",
+            ]
+    meta += [
+        b',"reasoning_tokens":0,"completion_tokens":%d,"cached_tokens":0' % hi,
+        b',"weight_versions":[{"version":"default","start":0,"end":%d}]' % hi,
+    ]
+    if finish:
+        meta.append(b',"e2e_latency":0.01')
+    body = [b'{"text":"', text, b'","output_ids":[', ids, b'],"meta_info":', *meta, b"}"]
+    if pids:
+        body += [b',"prompt_token_ids":', prompt]
+    body.append(b"}")
+    return b"".join(body)
+
+
+class _Req:
+    def __init__(self) -> None:
+        self.url = b""
+        self.body = bytearray()
+        self.done = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+async def _serve(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: Answers, incremental: bool
+) -> None:
+    try:
+        while True:
+            req = _Req()
+            parser = httptools.HttpRequestParser(req)
+            while not req.done:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                parser.feed_data(data)
+            if req.url.startswith(b"/health"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                continue
+            body: dict[str, Any] = orjson.loads(bytes(req.body))
+            await _generate(body, writer, answers, incremental)
+            await writer.drain()
+    except (ConnectionError, httptools.HttpParserError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _generate(
+    body: dict[str, Any], writer: asyncio.StreamWriter, answers: Answers, incremental: bool
+) -> None:
+    n = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
+    lp = bool(body.get("return_logprob"))
+    k = int(body.get("top_logprobs_num") or 0)
+    pids = bool(body.get("return_prompt_token_ids"))
+    shape = (lp, k, pids)
+    pieces = answers.pieces(n, lp, k)
+    rid = b"%032x" % next(_ids)
+    prompt = orjson.dumps(body.get("input_ids") or list(range(16)))
+    if not body.get("stream"):
+        out = _answer(pieces, n, 0, n, shape, rid, True, prompt)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(out) + out
+        )
+        return
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    for i in range(1, n + 1):
+        out = _answer(pieces, n, i - 1 if incremental else 0, i, shape, rid, i == n, prompt)
+        frame = b"data: " + out + b"\n\n"
+        writer.write(b"%x\r\n%s\r\n" % (len(frame), frame))
+        if writer.transport.get_write_buffer_size() > 1 << 20:
+            await writer.drain()
+        elif i % 64 == 0:
+            await asyncio.sleep(0)
+    writer.write(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--incremental-streaming-output", action="store_true")
+    args = ap.parse_args()
+    answers = Answers()
+
+    async def run() -> None:
+        server = await asyncio.start_server(
+            lambda r, w: _serve(r, w, answers, args.incremental_streaming_output),
+            "127.0.0.1",
+            args.port,
+            backlog=4096,
+        )
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

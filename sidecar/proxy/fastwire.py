@@ -1,0 +1,380 @@
+"""SGLang ``/generate`` answers read and restored on their bytes, without parsing them whole.
+
+`proxy.sglang_wire` parses every answer into Python objects; a 4,096-token answer is ~4,000
+small lists, and a cumulative stream repeats all of them in every chunk. This module works on the
+compact JSON SGLang writes instead:
+
+* A key is found by its bytes ``"name":``. Inside a JSON string every ``"`` is escaped, so
+  ``name":`` cannot occur in ``text`` or any other string: the match is the key itself.
+* The log-prob values (``output_token_logprobs``, the top-k rows, ``prompt_token_ids``, ...) hold
+  only numbers, ``null`` and brackets when SGLang is not asked for token text, so such a value
+  ends at the first ``,"`` (next key) or ``}`` (end of ``meta_info``). A value with strings in it
+  ends up unbalanced at that cut and is refused (`NotFast`); the caller then takes the object
+  path, so this module never guesses.
+* Triples ``[logprob, token_id, null]`` become one flat JSON list of numbers (brackets and the
+  null texts dropped) that orjson reads into a single list, turned into arrays at once: no
+  per-token Python containers, nothing for the garbage collector to trace.
+
+A non-streamed answer or a stream chunk for one sample is captured by `FastSample`; `restore`
+cuts what the proxy added out of the bytes. Both refuse anything they cannot do exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from timwatch.monitor.core.errors import NotFast
+from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows, version_runs
+from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
+from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError
+
+__all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
+
+_LB, _RB, _COMMA = 91, 93, 44
+# The logprob-bearing keys SGLang writes into meta_info (sglang_wire._LOGPROB_PREFIXES).
+_LOGPROB_KEYS = (
+    b"input_token_logprobs",
+    b"output_token_logprobs",
+    b"output_token_logprobs_length",
+    b"input_top_logprobs",
+    b"output_top_logprobs",
+    b"input_token_ids_logprobs",
+    b"output_token_ids_logprobs",
+)
+_TOP_KEYS = (b"input_top_logprobs", b"output_top_logprobs")
+# Values cut out before the rest of a finished chunk is parsed for its small fields.
+_BULK_KEYS = (
+    b"output_ids",
+    b"prompt_token_ids",
+    b"input_token_logprobs",
+    b"output_token_logprobs",
+    b"input_top_logprobs",
+    b"output_top_logprobs",
+)
+
+
+def _u8(buf: bytes) -> np.ndarray:
+    return np.frombuffer(buf, dtype=np.uint8)
+
+
+def value_span(
+    buf: bytes, key: bytes, lo: int = 0, *, check: bool = True
+) -> tuple[int, int, int] | None:
+    """``(key_start, value_start, value_end)`` of a quote-free value, None if the key is absent.
+
+    With ``check``, raises `NotFast` if the value is not bracket-balanced (it held a string)."""
+    pat = b'"' + key + b'":'
+    k = buf.find(pat, lo)
+    if k < 0:
+        return None
+    v = k + len(pat)
+    quote, brace = buf.find(b'"', v), buf.find(b"}", v)
+    if quote >= 0 and (brace < 0 or quote < brace):
+        if buf[quote - 1] != _COMMA:
+            raise NotFast(f"{key.decode()}: a string value")
+        e = quote - 1
+    elif brace >= 0:
+        e = brace
+    else:
+        raise NotFast(f"{key.decode()}: no end")
+    if check and e - v > 2:
+        arr = _u8(buf)[v:e]
+        if np.count_nonzero(arr == _LB) != np.count_nonzero(arr == _RB):
+            raise NotFast(f"{key.decode()}: not a quote-free value")
+    return k, v, e
+
+
+def finished(frame: bytes) -> bool:
+    """Whether a chunk is its sample's last (``finish_reason`` is not null)."""
+    k = frame.find(b'"finish_reason":')
+    if k < 0:
+        raise NotFast("no finish_reason")
+    c = frame[k + 16 : k + 17]
+    if c == b"n":
+        return False
+    if c in (b"{", b'"'):
+        return True
+    raise NotFast("finish_reason not compact JSON")
+
+
+def stream_index(frame: bytes) -> int:
+    span = value_span(frame, b"index", check=False)
+    if span is None:
+        return 0
+    try:
+        return int(frame[span[1] : span[2]])
+    except ValueError:
+        raise NotFast("index is not an int") from None
+
+
+def _int_value(buf: bytes, key: bytes) -> int | None:
+    span = value_span(buf, key, check=False)
+    if span is None:
+        return None
+    try:
+        return int(buf[span[1] : span[2]])
+    except ValueError:
+        raise NotFast(f"{key.decode()}: not an int") from None
+
+
+def _floats(tokens: np.ndarray, count: int) -> np.ndarray:
+    try:
+        values = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64)
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        raise NotFast("a log-prob is not a number") from None
+    if values.shape != (count,):
+        raise NotFast("log-prob count")
+    return values
+
+
+def _triples(buf: bytes, key: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    pat = b'"' + key + b'":'
+    k = buf.find(pat)
+    if k < 0:
+        return None
+    count, _, ids, tokens = scan_triples(_u8(buf), k + len(pat))
+    if count < 0:
+        raise NotFast(f"{key.decode()}: not [[logprob,id,null],...]")
+    return ids, _floats(tokens, count)
+
+
+def _top_logps(buf: bytes, n: int) -> np.ndarray | None:
+    """``output_top_logprobs`` as an ``(n, k)`` array; refuses null or ragged rows."""
+    pat = b'"output_top_logprobs":'
+    k = buf.find(pat)
+    if k < 0:
+        return None
+    rows, width, _, tokens = scan_rows(_u8(buf), k + len(pat))
+    if rows != n:
+        raise NotFast("top-k rows are null or ragged, or not one per token")
+    return _floats(tokens, rows * width).reshape(rows, width)
+
+
+# Bytes one [logprob,id,null] triple takes in a list, at least and at most (a 24-character
+# log-prob, an 18-digit id, brackets, commas): a list's byte length bounds its triple count.
+_MIN_TRIPLE, _MAX_TRIPLE = 10, 52
+
+
+@dataclass
+class FastSample:
+    """One sample's arrays over stream chunks (cumulative or incremental) or one answer.
+
+    Mirrors `sglang_wire.SampleState`: a chunk whose list is as long as
+    ``output_token_logprobs_length`` replaces what came before (cumulative; kept by reference
+    and only read if a delta or the last chunk needs it), a shorter one extends it."""
+
+    ids: list[np.ndarray] = field(default_factory=list)
+    logps: list[np.ndarray] = field(default_factory=list)
+    tops: list[np.ndarray] | None = None
+    n: int = 0
+    total: int = 0
+    prompt: np.ndarray | None = None
+    pending: bytes | None = None
+
+    def offer(self, frame: bytes, *, last: bool) -> None:
+        total = _int_value(frame, b"output_token_logprobs_length")
+        if total is None:
+            raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
+        prev, self.total = self.total, total
+        if not last and self._cumulative(frame, total, total - prev):
+            self.pending = frame
+            return
+        ids, logps, top = self._parse(frame)
+        if len(ids) != total and self.pending is not None:
+            self._keep(*self._parse(self.pending), delta=False)
+        self.pending = None
+        delta = self.n > 0 and len(ids) != total
+        if delta and self.n + len(ids) != total:
+            raise WireError(
+                f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
+                f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
+            )
+        self._keep(ids, logps, top, delta=delta)
+        self._prompt(frame)
+
+    def offer_delta(self, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
+        """An unfinished chunk already read (by `scan.scan_frames`): same rules as `offer`."""
+        self.total = total
+        if len(ids) != total and self.pending is not None:
+            self._keep(*self._parse(self.pending), delta=False)
+        self.pending = None
+        delta = self.n > 0 and len(ids) != total
+        if delta and self.n + len(ids) != total:
+            raise WireError(
+                f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
+                f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
+            )
+        self._keep(ids, logps, None, delta=delta)
+
+    def take_answer(self, answer: bytes) -> None:
+        self._keep(*self._parse(answer), delta=False)
+        self._prompt(answer)
+
+    @staticmethod
+    def _cumulative(frame: bytes, total: int, delta: int) -> bool:
+        """Whether a chunk holds all ``total`` tokens so far (else only the ``delta`` new ones),
+        from its list's byte length where that decides it, else by counting triples."""
+        if delta == total:
+            return True  # the first chunk: both readings agree
+        span = value_span(frame, b"output_token_logprobs", check=False)
+        if span is None:
+            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+        length = span[2] - span[1]
+        if length < _MIN_TRIPLE * total:
+            return False
+        if length > _MAX_TRIPLE * delta + 2:
+            return True
+        arr = _u8(frame)[span[1] : span[2]]
+        return int(np.count_nonzero(arr == _LB)) - 1 == total
+
+    @staticmethod
+    def _parse(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        got = _triples(buf, b"output_token_logprobs")
+        if got is None:
+            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+        ids, logps = got
+        return ids, logps, _top_logps(buf, len(ids))
+
+    def _keep(
+        self, ids: np.ndarray, logps: np.ndarray, top: np.ndarray | None, *, delta: bool
+    ) -> None:
+        if not delta:
+            self.ids, self.logps, self.n = [], [], 0
+            if top is not None:
+                self.tops = []
+        self.ids.append(ids)
+        self.logps.append(logps)
+        self.n += len(ids)
+        if top is not None:
+            self.tops = (self.tops or []) + [top]
+
+    def _prompt(self, buf: bytes) -> None:
+        pat = b'"prompt_token_ids":'
+        k = buf.find(pat)
+        if k < 0:
+            return
+        count, _, values = scan_ints(_u8(buf), k + len(pat))
+        if count < 0:
+            raise NotFast("prompt_token_ids: not a list of ints")
+        self.prompt = values.copy()
+
+    def record(
+        self,
+        last: bytes,
+        *,
+        fallback_prompt: list[int] | None,
+        vocab_size: int | None,
+    ) -> HeldRecord:
+        meta = _small_meta(last)
+        rid = meta.get("id")
+        if not isinstance(rid, str):
+            raise WireError(f"meta_info.id: expected a string, got {rid!r}")
+        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, np.int64)
+        logp = np.concatenate(self.logps) if self.logps else np.zeros(0)
+        wv = meta.get("weight_version")
+        wv = None if wv is None else str(wv)
+        lower = tail = None
+        source = None
+        if self.tops is not None and self.n:
+            tops = np.concatenate(self.tops)
+            if tops.shape == (self.n, tops.shape[1]) and tops.shape[1] > 0:
+                lower, tail = topk_entropy_bounds_rows(tops, vocab_size=vocab_size)
+                source = "topk"
+        prompt = self.prompt
+        if prompt is None and fallback_prompt is not None:
+            prompt = np.array(fallback_prompt, dtype=np.int64)
+        reason = meta.get("finish_reason")
+        return HeldRecord.build(
+            rid=rid,
+            input_ids=prompt,
+            output_ids=ids,
+            logp=logp,
+            runs=version_runs(meta.get("weight_versions"), self.n, wv),
+            finish_reason=_finish_type(reason),
+            weight_version=wv,
+            entropy_lower=lower,
+            entropy_tail=tail,
+            entropy_source=source,
+        )
+
+
+def _small_meta(buf: bytes) -> dict[str, Any]:
+    """``meta_info`` of one sample with its bulk lists cut out, parsed."""
+    cuts = sorted(s for key in _BULK_KEYS if (s := value_span(buf, key)) is not None)
+    parts, at = [], 0
+    for _, v, e in cuts:
+        parts += [buf[at:v], b"0"]
+        at = e
+    parts.append(buf[at:])
+    try:
+        out = orjson.loads(b"".join(parts))
+    except orjson.JSONDecodeError:
+        raise NotFast("answer is not one JSON object") from None
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict):
+        raise WireError(f"meta_info: expected an object, got {meta!r}")
+    return meta
+
+
+def _finish_type(reason: Any) -> str | None:
+    if reason is None:
+        return None
+    if isinstance(reason, dict):
+        kind = reason.get("type")
+        return None if kind is None else str(kind)
+    return str(reason)
+
+
+def _without(buf: bytes, k: int, e: int) -> tuple[int, int]:
+    """The byte range to delete for the member ``"key":value`` at ``buf[k:e]``."""
+    if buf[k - 1 : k] != b",":
+        raise NotFast("a removed member is the first of its object")
+    return k - 1, e
+
+
+def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
+    """One sample's answer or chunk as the client's own request would have had it."""
+    cuts: list[tuple[int, int, bytes]] = []
+    if plan.added_prompt_ids:
+        span = value_span(buf, b"prompt_token_ids")
+        if span is not None:
+            cuts.append((*_without(buf, span[0], span[2]), b""))
+    if not plan.want_logprob[item]:
+        cuts += _drops(buf, _LOGPROB_KEYS)
+    elif plan.raised_topk:
+        k0 = plan.want_topk[item]
+        if k0 <= 0:
+            cuts += _drops(buf, _TOP_KEYS)
+        else:
+            for key in _TOP_KEYS:
+                span = value_span(buf, key)
+                if span is None:
+                    continue
+                rows = orjson.loads(buf[span[1] : span[2]])
+                if isinstance(rows, list):
+                    rows = [r[:k0] if isinstance(r, list) else r for r in rows]
+                cuts.append((span[1], span[2], orjson.dumps(rows)))
+    if not cuts:
+        return buf
+    cuts.sort()
+    parts, at = [], 0
+    for lo, hi, new in cuts:
+        if lo < at:
+            raise NotFast("overlapping members")
+        parts += [buf[at:lo], new]
+        at = hi
+    parts.append(buf[at:])
+    return b"".join(parts)
+
+
+def _drops(buf: bytes, keys: tuple[bytes, ...]) -> list[tuple[int, int, bytes]]:
+    out = []
+    for key in keys:
+        span = value_span(buf, key)
+        if span is not None:
+            out.append((*_without(buf, span[0], span[2]), b""))
+    return out

@@ -1,0 +1,283 @@
+"""Capturing ``/generate`` answers and streams while relaying them to the client.
+
+Each answer or stream chunk is first read on its bytes (`proxy.fastwire`); whatever that path
+refuses (batch answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
+(`proxy.sglang_wire`, whole-JSON parse). Both give the client the same bytes. In a stream, a
+sample stays on the path its first chunk took.
+
+Streams are cut into ``data: ...\\n\\n`` frames as bytes arrive, searching only the bytes not
+searched yet, and every frame complete in one read is relayed in one write.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import orjson
+
+from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore, stream_index
+from timwatch.sidecar.proxy.records import HeldRecord
+from timwatch.sidecar.proxy.scan import KIND_DELTA, KIND_OTHER, scan_frames
+from timwatch.sidecar.proxy.sglang_wire import (
+    RequestPlan,
+    SampleState,
+    WireError,
+    dumps,
+    is_finished,
+    loads,
+    outputs_of,
+)
+
+__all__ = ["Capturer", "answer_parts", "capture_answer", "relay_stream"]
+
+log = logging.getLogger(__name__)
+
+# Stream chunks up to this size are read by `scan.scan_frames`, larger ones on their own.
+_SMALL_FRAME = 4096
+
+
+class Capturer:
+    """Where finished samples go: the proxy's commit, its counters and the vocabulary size."""
+
+    def __init__(
+        self,
+        commit: Callable[[HeldRecord], None],
+        counters: dict[str, int],
+        vocab_size: int | None,
+    ) -> None:
+        self.commit = commit
+        self.counters = counters
+        self.vocab_size = vocab_size
+
+    def wire_error(self, what: str, exc: Exception) -> None:
+        self.counters["wire_errors"] += 1
+        log.warning("%s not captured: %s", what, exc)
+
+    def fallback(self, plan: RequestPlan, idx: int) -> list[int] | None:
+        prompts = plan.client_input_ids
+        return prompts[plan.prompt_index(idx)] if prompts else None
+
+    def commit_state(
+        self, sample: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int
+    ) -> None:
+        record = sample.record(
+            out["meta_info"], fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
+        )
+        self.commit(HeldRecord.pack(record))
+
+
+def capture_answer(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
+    """Capture every finished sample of a non-streamed answer; return the client's bytes."""
+    client, later = answer_parts(cap, plan, content)
+    if later is not None:
+        later()
+    return client
+
+
+def answer_parts(
+    cap: Capturer, plan: RequestPlan, content: bytes
+) -> tuple[bytes, Callable[[], None] | None]:
+    """The client's bytes of a non-streamed answer, and the capture still to run (None if it
+    already ran): the proxy sends the bytes first, so capturing adds nothing to the latency."""
+    if not content.startswith(b"{"):
+        return _answer_objects(cap, plan, content), None
+    try:
+        client = restore(content, plan, 0) if plan.changed else content
+        last = finished(content)
+    except NotFast:
+        return _answer_objects(cap, plan, content), None
+    if not last:
+        return client, None
+
+    def capture() -> None:
+        sample = FastSample()
+        try:
+            sample.take_answer(content)
+            record = sample.record(
+                content, fallback_prompt=cap.fallback(plan, 0), vocab_size=cap.vocab_size
+            )
+        except NotFast:
+            _answer_objects(cap, plan, content)
+        except (WireError, ValueError) as exc:
+            cap.wire_error("answer 0", exc)
+        else:
+            cap.commit(record)
+
+    return client, capture
+
+
+def _answer_objects(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
+    try:
+        answer = loads(content)
+        outputs = outputs_of(answer)
+    except ValueError as exc:
+        cap.counters["wire_errors"] += 1
+        log.warning("unparseable /generate answer passed through: %s", exc)
+        return content
+    for idx, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            continue
+        try:
+            if is_finished(out):
+                sample = SampleState()
+                sample.feed(out, stream=False)
+                cap.commit_state(sample, out, plan, idx)
+        except (WireError, ValueError) as exc:
+            cap.wire_error(f"answer {idx}", exc)
+        plan.restore(out, idx)
+    return dumps(answer) if plan.changed else content
+
+
+class _Stream:
+    """The samples of one streamed request, each on the byte path or the object path."""
+
+    def __init__(self, cap: Capturer, plan: RequestPlan) -> None:
+        self.cap, self.plan = cap, plan
+        self.fast: dict[int, FastSample] = {}
+        self.slow: dict[int, SampleState] = {}
+        self.on_objects: set[int] = set()
+
+    def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
+        """An unfinished chunk `scan.scan_frames` read (an unchanged request's stream)."""
+        if idx in self.on_objects:
+            return  # cannot happen with SGLang: its samples do not change shape mid-stream
+        sample = self.fast.get(idx)
+        if sample is None:
+            sample = self.fast[idx] = FastSample()
+        try:
+            sample.offer_delta(ids, logps, total)
+        except NotFast as exc:
+            self.fast.pop(idx, None)
+            self.on_objects.add(idx)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        except (WireError, ValueError) as exc:
+            self.fast.pop(idx, None)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+
+    def frame(self, frame: bytes) -> bytes:
+        if not frame.startswith(b"data: {"):
+            return frame
+        payload = frame[6:-2]
+        try:
+            idx = stream_index(payload)
+        except NotFast:
+            return self._objects(frame, payload)
+        if idx in self.on_objects:
+            return self._objects(frame, payload)
+        try:
+            last = finished(payload)
+            client = restore(payload, self.plan, self.plan.prompt_index(idx))
+        except NotFast:
+            return self._objects(frame, payload)
+        sample = self.fast.get(idx)
+        fresh = sample is None
+        if sample is None:
+            sample = self.fast[idx] = FastSample()
+        try:
+            sample.offer(payload, last=last)
+            if last:
+                del self.fast[idx]
+                rec = sample.record(
+                    payload,
+                    fallback_prompt=self.cap.fallback(self.plan, idx),
+                    vocab_size=self.cap.vocab_size,
+                )
+                self.cap.commit(rec)
+        except NotFast as exc:
+            self.fast.pop(idx, None)
+            if fresh:
+                return self._objects(frame, payload)
+            self.on_objects.add(idx)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        except (WireError, ValueError) as exc:
+            self.fast.pop(idx, None)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        return frame if client is payload else b"data: " + client + b"\n\n"
+
+    def _objects(self, frame: bytes, payload: bytes) -> bytes:
+        try:
+            out = loads(payload)
+        except ValueError:
+            return frame
+        if not isinstance(out, dict) or "meta_info" not in out:
+            return frame  # SGLang's in-stream {"error": ...} object
+        idx = out.get("index", 0)
+        idx = idx if isinstance(idx, int) else 0
+        self.on_objects.add(idx)
+        try:
+            sample = self.slow.setdefault(idx, SampleState())
+            sample.offer(out)
+            if is_finished(out):
+                self.cap.commit_state(self.slow.pop(idx), out, self.plan, idx)
+        except (WireError, ValueError) as exc:
+            self.slow.pop(idx, None)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+        if not self.plan.changed:
+            return frame
+        self.plan.restore(out, idx)
+        return b"data: " + dumps(out) + b"\n\n"
+
+
+async def relay_stream(
+    cap: Capturer, plan: RequestPlan, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """Relay an SSE stream, capturing finished samples on the way.
+
+    When the proxy changed nothing in the request the client gets the upstream's bytes as they
+    come, each read passed on at once; the frames are cut out and read beside it, the small
+    delta chunks of a whole read in one compiled pass (`scan.scan_frames`). Otherwise each
+    frame is restored on its own and every frame complete in one read goes out in one write."""
+    stream = _Stream(cap, plan)
+    if not plan.changed:
+        async for chunk in _capture_reads(stream, chunks):
+            yield chunk
+        return
+    buf = bytearray()
+    searched = 0
+    async for chunk in chunks:
+        buf += chunk
+        start, out = 0, []
+        while True:
+            cut = buf.find(b"\n\n", max(searched - 1, start))
+            if cut < 0:
+                break
+            out.append(stream.frame(bytes(buf[start : cut + 2])))
+            start = cut + 2
+        if start:
+            del buf[:start]
+        searched = len(buf)
+        if out:
+            yield out[0] if len(out) == 1 else b"".join(out)
+    if buf:
+        yield bytes(buf)
+
+
+async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    tail = b""
+    async for chunk in chunks:
+        yield chunk
+        buf = tail + chunk if tail else chunk
+        cut = buf.find(b"\n\n", max(len(tail) - 1, 0))
+        if cut < 0:
+            tail = buf  # one frame still arriving
+            continue
+        if cut + 2 > _SMALL_FRAME:
+            # large frames (a cumulative stream): cut at memchr speed, each read on its bytes
+            start = 0
+            while cut >= 0:
+                stream.frame(buf[start : cut + 2])
+                start = cut + 2
+                cut = buf.find(b"\n\n", start)
+            tail = buf[start:]
+            continue
+        rows, used, ids, tokens = scan_frames(np.frombuffer(buf, dtype=np.uint8), _SMALL_FRAME)
+        tail = buf[used:]
+        logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids
+        for start, end, kind, idx, total, count, at in rows.tolist():
+            if kind == KIND_DELTA:
+                stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
+            elif kind == KIND_OTHER:
+                stream.frame(buf[start:end])

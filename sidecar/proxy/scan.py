@@ -1,0 +1,317 @@
+"""Compiled scanners for SGLang's log-prob lists in compact JSON bytes.
+
+They accept exactly the shapes SGLang writes when no token text is asked for, and refuse
+(count ``-1``) anything else, so the caller can fall back to a full JSON parse:
+
+* triples ``[[logprob,token_id,null],...]`` (`scan_triples`): token ids are parsed into an int64
+  array here; the log-prob tokens are copied, comma-separated inside brackets, into a byte
+  buffer that orjson then reads as one flat list of floats, so every float is the one orjson
+  (and the object path) would give;
+* top-k rows ``[[[logprob,token_id,null],...],...]`` (`scan_rows`), all rows the same length;
+* integer lists ``[id,...]`` (`scan_ints`);
+* a stream buffer (`scan_frames`): its ``data: ...\n\n`` frames, and for every small unfinished
+  chunk (an incremental stream's deltas) its index, ``output_token_logprobs_length`` and
+  triples, so the caller's Python runs once per network read, not once per token.
+
+Only the byte shapes are checked here; a malformed number token is caught by orjson.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+__all__ = ["scan_triples", "scan_rows", "scan_ints", "scan_frames"]
+
+_LB, _RB, _COMMA = 91, 93, 44
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _at(buf: np.ndarray, i: int) -> int:
+    return int(buf[i]) if i < buf.shape[0] else 0
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _number_end(buf: np.ndarray, i: int) -> int:
+    j = i
+    while j < buf.shape[0]:
+        c = buf[j]
+        if (48 <= c <= 57) or c == 45 or c == 43 or c == 46 or c == 101 or c == 69:
+            j += 1
+        else:
+            break
+    return j if j > i else -1
+
+
+@nb.njit(cache=True, nogil=True)
+def _list_of_triples(
+    buf: np.ndarray, i: int, ids: np.ndarray, count: int, out: np.ndarray, f: int
+) -> tuple[int, int, int]:
+    """Parse one ``[[lp,id,null],...]`` at ``buf[i]``; returns (new count, end, f), count -1 on
+    refusal. Log-prob tokens are appended to ``out`` at ``f``, each followed by a comma."""
+    if _at(buf, i) != _LB:
+        return -1, i, f
+    i += 1
+    if _at(buf, i) == _RB:
+        return count, i + 1, f
+    while True:
+        if _at(buf, i) != _LB:
+            return -1, i, f
+        i += 1
+        j = _number_end(buf, i)
+        if j < 0:
+            return -1, i, f
+        for t in range(i, j):
+            out[f] = buf[t]
+            f += 1
+        out[f] = _COMMA
+        f += 1
+        i = j
+        if _at(buf, i) != _COMMA:
+            return -1, i, f
+        i += 1
+        value, j = 0, i
+        while j < buf.shape[0] and 48 <= buf[j] <= 57 and j - i < 18:
+            value = value * 10 + int(buf[j] - 48)
+            j += 1
+        if j == i or _at(buf, j) != _COMMA:
+            return -1, i, f
+        ids[count] = value
+        count += 1
+        i = j + 1
+        if not (
+            _at(buf, i) == 110
+            and _at(buf, i + 1) == 117
+            and _at(buf, i + 2) == 108
+            and _at(buf, i + 3) == 108
+            and _at(buf, i + 4) == _RB
+        ):
+            return -1, i, f
+        i += 5
+        c = _at(buf, i)
+        if c == _COMMA:
+            i += 1
+        elif c == _RB:
+            return count, i + 1, f
+        else:
+            return -1, i, f
+
+
+@nb.njit(cache=True, nogil=True)
+def _close(out: np.ndarray, f: int) -> int:
+    """Turn ``tok,tok,`` at ``out[1:f]`` into ``[tok,tok]``; returns its length."""
+    out[0] = _LB
+    if f == 1:
+        out[1] = _RB
+        return 2
+    out[f - 1] = _RB
+    return f
+
+
+@nb.njit(cache=True, nogil=True)
+def scan_triples(buf: np.ndarray, pos: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """``(count, end, ids, floats_json)`` for the triples at ``buf[pos]``; count -1: refused."""
+    cap = (buf.shape[0] - pos) // 10 + 1
+    ids = np.empty(cap, dtype=np.int64)
+    out = np.empty(buf.shape[0] - pos + 2, dtype=np.uint8)
+    count, end, f = _list_of_triples(buf, pos, ids, 0, out, 1)
+    if count < 0:
+        return -1, end, ids[:0], out[:0]
+    return count, end, ids[:count], out[: _close(out, f)]
+
+
+@nb.njit(cache=True, nogil=True)
+def scan_rows(buf: np.ndarray, pos: int) -> tuple[int, int, int, np.ndarray]:
+    """``(rows, k, end, floats_json)`` for equal-length top-k rows at ``buf[pos]``; rows -1:
+    refused (a null row, rows of different lengths, anything but the triple shape)."""
+    ids = np.empty((buf.shape[0] - pos) // 10 + 1, dtype=np.int64)
+    out = np.empty(buf.shape[0] - pos + 2, dtype=np.uint8)
+    if _at(buf, pos) != _LB:
+        return -1, 0, pos, out[:0]
+    i, f, rows, total, k = pos + 1, 1, 0, 0, -1
+    if _at(buf, i) == _RB:
+        return 0, 0, i + 1, out[: _close(out, f)]
+    while True:
+        before = total
+        total, i, f = _list_of_triples(buf, i, ids, total, out, f)
+        if total < 0:
+            return -1, 0, i, out[:0]
+        if k < 0:
+            k = total - before
+        elif total - before != k:
+            return -1, 0, i, out[:0]
+        rows += 1
+        c = _at(buf, i)
+        if c == _COMMA:
+            i += 1
+        elif c == _RB:
+            return rows, k, i + 1, out[: _close(out, f)]
+        else:
+            return -1, 0, i, out[:0]
+
+
+@nb.njit(cache=True, nogil=True)
+def scan_ints(buf: np.ndarray, pos: int) -> tuple[int, int, np.ndarray]:
+    """``(count, end, values)`` for a list of non-negative ints at ``buf[pos]``; -1: refused."""
+    vals = np.empty((buf.shape[0] - pos) // 2 + 1, dtype=np.int64)
+    if _at(buf, pos) != _LB:
+        return -1, pos, vals[:0]
+    i, count = pos + 1, 0
+    if _at(buf, i) == _RB:
+        return 0, i + 1, vals[:0]
+    while True:
+        value, j = 0, i
+        while j < buf.shape[0] and 48 <= buf[j] <= 57 and j - i < 18:
+            value = value * 10 + int(buf[j] - 48)
+            j += 1
+        if j == i:
+            return -1, i, vals[:0]
+        vals[count] = value
+        count += 1
+        c = _at(buf, j)
+        if c == _COMMA:
+            i = j + 1
+        elif c == _RB:
+            return count, j + 1, vals[:count]
+        else:
+            return -1, j, vals[:0]
+
+
+@nb.njit(cache=True, nogil=True)
+def _find(buf: np.ndarray, lo: int, hi: int, pat: np.ndarray) -> int:
+    m = pat.shape[0]
+    first = pat[0]
+    for i in range(lo, hi - m + 1):
+        if buf[i] == first:
+            ok = True
+            for j in range(1, m):
+                if buf[i + j] != pat[j]:
+                    ok = False
+                    break
+            if ok:
+                return i
+    return -1
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _int_at(buf: np.ndarray, i: int, hi: int) -> int:
+    value, j = 0, i
+    while j < hi and 48 <= buf[j] <= 57 and j - i < 18:
+        value = value * 10 + int(buf[j] - 48)
+        j += 1
+    return value if j > i else -1
+
+
+def _pat(text: bytes) -> np.ndarray:
+    return np.frombuffer(text, dtype=np.uint8).copy()
+
+
+_P_DATA = _pat(b"data: {")
+_P_TOP = _pat(b'"output_top_logprobs":')
+_P_FINISH = _pat(b'"finish_reason":')
+_P_INDEX = _pat(b'"index":')
+_P_TOTAL = _pat(b'"output_token_logprobs_length":')
+_P_LIST = _pat(b'"output_token_logprobs":')
+
+#: Columns of `scan_frames`' rows.
+FRAME_START, FRAME_END, FRAME_KIND, FRAME_INDEX, FRAME_TOTAL, FRAME_COUNT, FRAME_AT = range(7)
+#: Frame kinds: nothing to capture, a delta read here, one for the caller's byte path.
+KIND_SKIP, KIND_DELTA, KIND_OTHER = 0, 1, 2
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _matches(buf: np.ndarray, i: int, hi: int, pat: np.ndarray) -> bool:
+    m = pat.shape[0]
+    if i + m > hi:
+        return False
+    for j in range(m):
+        if buf[i + j] != pat[j]:
+            return False
+    return True
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_frames(
+    buf: np.ndarray,
+    small: int,
+    p_data: np.ndarray,
+    p_top: np.ndarray,
+    p_finish: np.ndarray,
+    p_index: np.ndarray,
+    p_total: np.ndarray,
+    p_list: np.ndarray,
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    n = buf.shape[0]
+    rows = np.empty((n // 14 + 1, 7), dtype=np.int64)  # a frame is at least "data: {}\n\n"
+    ids = np.empty(n // 10 + 1, dtype=np.int64)
+    out = np.empty(n + 2, dtype=np.uint8)
+    count, f, start, r, i = 0, 1, 0, 0, 0
+    while i < n - 1:
+        if not (buf[i] == 10 and buf[i + 1] == 10):
+            i += 1
+            continue
+        end = i + 2
+        fs, i, start = start, end, end
+        rows[r, 0], rows[r, 1], rows[r, 2], rows[r, 6] = fs, end, 2, count
+        rows[r, 3], rows[r, 4], rows[r, 5] = 0, 0, 0
+        r += 1
+        if not _matches(buf, fs, end, p_data):
+            rows[r - 1, 2] = 0
+            continue
+        if end - fs > small:
+            continue
+        # One pass over the frame's quotes finds the keys (none can sit inside a string).
+        k_finish, k_index, k_total, k_list, top = -1, -1, -1, -1, False
+        for q in range(fs + 6, end):
+            if buf[q] != 34:
+                continue
+            c = _at(buf, q + 1)
+            if c == 111:  # "o…
+                if _matches(buf, q, end, p_total):
+                    k_total = q + p_total.shape[0]
+                elif _matches(buf, q, end, p_list):
+                    k_list = q + p_list.shape[0]
+                elif _matches(buf, q, end, p_top):
+                    top = True
+            elif c == 102 and k_finish < 0 and _matches(buf, q, end, p_finish):
+                k_finish = q + p_finish.shape[0]
+            elif c == 105 and k_index < 0 and _matches(buf, q, end, p_index):
+                k_index = q + p_index.shape[0]
+        if top or k_finish < 0 or _at(buf, k_finish) != 110 or k_total < 0 or k_list < 0:
+            continue  # top-k rows, no finish_reason, the last chunk (not null), or no list
+        index = 0 if k_index < 0 else _int_at(buf, k_index, end)
+        total = _int_at(buf, k_total, end)
+        if index < 0 or total < 0:
+            continue
+        got, _, f2 = _list_of_triples(buf, k_list, ids, count, out, f)
+        if got < 0:
+            continue
+        p = r - 2
+        if (
+            p >= 0
+            and rows[p, 2] == 1
+            and rows[p, 3] == index
+            and rows[p, 4] + got - count == total
+            and rows[p, 1] == fs
+        ):
+            # a further delta of the same sample right after: one row for both
+            rows[p, 1], rows[p, 4], rows[p, 5] = end, total, rows[p, 5] + got - count
+            r -= 1
+        else:
+            q = r - 1
+            rows[q, 2], rows[q, 3], rows[q, 4], rows[q, 5] = 1, index, total, got - count
+        count, f = got, f2
+    return rows[:r], start, ids[:count], out[: _close(out, f)]
+
+
+def scan_frames(
+    buf: np.ndarray, small: int = 4096
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """Cut ``data: ...\\n\\n`` frames out of a stream buffer and read the small delta chunks.
+
+    Returns ``(rows, consumed, ids, floats_json)``: one row per complete frame (columns
+    ``FRAME_*``), the bytes those frames span, and the token ids and log-prob tokens of every
+    `KIND_DELTA` frame, frame after frame (row ``FRAME_AT`` is where a frame's start). A
+    frame is `KIND_DELTA` only if it is at most ``small`` bytes, unfinished, without top-k rows,
+    and its list reads exactly; every other ``data: {`` frame is `KIND_OTHER`."""
+    return _scan_frames(buf, small, _P_DATA, _P_TOP, _P_FINISH, _P_INDEX, _P_TOTAL, _P_LIST)

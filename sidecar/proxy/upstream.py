@@ -1,0 +1,254 @@
+"""A lean HTTP/1.1 client for the proxy's ``/generate`` calls to SGLang: asyncio + httptools.
+
+httpx costs more per request than the proxy's whole capture at engine speed (its connection
+pool is scanned per request, so its cost grows with the number of connections, and without
+``sniffio`` installed httpcore retries an import on every lock). This client keeps idle
+keep-alive connections on a stack (O(1) to take and return; the most recent, likeliest alive,
+first), writes each request in one send, and parses answers with httptools in
+``data_received``. A streamed body is handed over chunk by chunk with backpressure (reading
+pauses while more than `_HIGH_WATER` bytes wait for the client).
+
+A connection goes back to the stack only after its answer was read to the end and the
+upstream allows keep-alive; one that dies while idle is noticed on the next request, which is
+retried once on a fresh connection if nothing of its answer had arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+from timwatch.monitor.core.errors import UpstreamError
+
+__all__ = ["Upstream", "UpstreamResponse", "UpstreamError"]
+
+_HIGH_WATER = 1 << 20
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp: UpstreamResponse | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.resp is not None:
+            self.resp._fail(UpstreamError(f"upstream closed the connection: {exc or 'EOF'}"))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self.resp is not None:
+                self.resp._fail(UpstreamError(f"bad HTTP from upstream: {exc}"))
+            self.close()
+
+    def close(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.resp is not None:
+            self.resp._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        if self.resp is not None:
+            self.resp.status = self.parser.get_status_code()
+            self.resp._wake()
+
+    def on_body(self, body: bytes) -> None:
+        if self.resp is not None:
+            self.resp._body(body)
+
+    def on_message_complete(self) -> None:
+        if self.resp is not None:
+            self.resp._complete(self.parser.should_keep_alive())
+
+
+class UpstreamResponse:
+    """One answer: ``status`` and ``headers`` once `Upstream.request` returns, then the body
+    by `read` or `chunks`. `release` must be called when done (it closes an unread one)."""
+
+    def __init__(self, owner: Upstream, conn: _Conn, timeout_s: float | None) -> None:
+        self.status = 0
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._owner, self._conn, self._timeout = owner, conn, timeout_s
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._done = False
+        self._keep_alive = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.got_bytes = False
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._raw_headers]
+
+    def header(self, name: str) -> str:
+        want = name.lower().encode()
+        for k, v in self._raw_headers:
+            if k.lower() == want:
+                return v.decode("latin-1")
+        return ""
+
+    def _wake(self) -> None:
+        self.got_bytes = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > _HIGH_WATER and not self._paused and self._conn.transport:
+            self._conn.transport.pause_reading()
+            self._paused = True
+        self._wake()
+
+    def _complete(self, keep_alive: bool) -> None:
+        self._done, self._keep_alive = True, keep_alive
+        self._wake()
+
+    def _fail(self, exc: UpstreamError) -> None:
+        if not self._done:
+            self._error = exc
+        self._wake()
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(self._waiter, self._timeout)
+        except asyncio.TimeoutError:
+            raise UpstreamError("upstream read timed out", timeout=True) from None
+        finally:
+            self._waiter = None
+
+    async def _headers(self) -> None:
+        while not self.status and self._error is None:
+            await self._wait()
+        if self._error is not None and not self.status:
+            raise self._error
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (de-chunked); raises `UpstreamError` if it breaks off."""
+        while True:
+            if self._chunks:
+                # all that arrived since the last turn, as one piece: under load the relay's
+                # per-piece work is paid once per many stream chunks
+                if len(self._chunks) == 1:
+                    chunk = self._chunks.popleft()
+                else:
+                    chunk = b"".join(self._chunks)
+                    self._chunks.clear()
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    if self._conn.transport is not None:
+                        self._conn.transport.resume_reading()
+                yield chunk
+                continue
+            if self._done:
+                return
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.chunks()]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self) -> None:
+        conn, self._conn.resp = self._conn, None
+        if self._done and self._keep_alive and not conn.lost and self._error is None:
+            self._owner._give_back(conn)
+        else:
+            conn.close()
+
+
+class Upstream:
+    """Keep-alive connections to one ``http://host:port`` base URL."""
+
+    def __init__(self, base_url: str, *, timeout_s: float | None, max_idle: int = 4096) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"upstream must be an http:// URL, got {base_url!r}")
+        self.host, self.port = parts.hostname, parts.port or 80
+        self.prefix = parts.path.rstrip("/")
+        self.host_header = parts.netloc.encode()
+        self.timeout_s = timeout_s
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(_Conn, self.host, self.port),
+                min(self.timeout_s or 10.0, 10.0),
+            )
+        except asyncio.TimeoutError:
+            raise UpstreamError("connect timed out", timeout=True) from None
+        except OSError as exc:
+            raise UpstreamError(f"connect failed: {exc}") from None
+        return conn
+
+    async def request(
+        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        """Send one request (``target`` is path and query); returns once headers arrived."""
+        head = [f"{method} {self.prefix}{target} HTTP/1.1\r\n".encode("latin-1")]
+        head.append(b"host: " + self.host_header + b"\r\n")
+        for k, v in headers:
+            head.append(f"{k}: {v}\r\n".encode("latin-1"))
+        head.append(b"content-length: %d\r\n\r\n" % len(body))
+        data = b"".join(head) + body
+        for attempt in (0, 1):
+            conn = self._take_idle()
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect()
+            assert conn.transport is not None
+            resp = UpstreamResponse(self, conn, self.timeout_s)
+            conn.resp = resp
+            conn.transport.write(data)
+            try:
+                await resp._headers()
+            except UpstreamError as exc:
+                conn.resp = None
+                conn.close()
+                if reused and attempt == 0 and not resp.got_bytes and not exc.timeout:
+                    continue  # the upstream closed this idle connection as we sent: once more
+                raise
+            return resp
+        raise UpstreamError("upstream closed the connection")
+
+    def _take_idle(self) -> _Conn | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        return None
+
+    def _give_back(self, conn: _Conn) -> None:
+        if len(self._idle) < self.max_idle:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()

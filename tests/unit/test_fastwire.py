@@ -1,0 +1,149 @@
+"""The byte path (`proxy.fastwire`) against the object path (`proxy.sglang_wire`).
+
+Answers and stream chunks come from the SGLang stand-in (`tests/helpers/fake_sglang.py`, in
+process; real SGLang needs a GPU), written both as the stand-in writes them and as SGLang's
+orjson does. For every request shape the byte path must give the client the bytes the object
+path gives, and capture the same record; where it cannot, it must refuse (`NotFast`), never
+guess.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+import tests.helpers.fake_sglang as fake
+from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore
+from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
+from timwatch.sidecar.proxy.sglang_wire import SampleState, dumps, plan_request
+
+TOPK = 5
+CLIENTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "logprobs": {"return_logprob": True},
+    "logprobs-top2": {"return_logprob": True, "top_logprobs_num": 2},
+    "logprobs-top7": {"return_logprob": True, "top_logprobs_num": 7},
+    "prompt-ids": {"return_logprob": True, "return_prompt_token_ids": True},
+}
+
+
+def _answers(req: dict[str, Any], incremental: bool, switch: bool) -> list[dict[str, Any]]:
+    """Every chunk the stand-in sends for ``req`` (one object if not streamed)."""
+    f = fake.Fake(incremental)
+    if switch:
+        f.config = {"switch_at": 3, "next_version": "step-2"}
+    samples, items, _ = fake._build(f, req)
+    (s,) = samples
+    if not req.get("stream"):
+        while s.finish is None:
+            s.step()
+        return [s.answer(req, items[0], 0)]
+    out, lo = [], 0
+    while s.finish is None:
+        s.step()
+        out.append(s.answer(req, items[0], lo))
+        lo = len(s.ids)
+    return out
+
+
+def _same(a: RolloutRecord, b: RolloutRecord) -> None:
+    assert (a.rid, a.input_ids, a.output_ids, a.logp) == (b.rid, b.input_ids, b.output_ids, b.logp)
+    assert (a.versions, a.finish_reason, a.weight_version) == (
+        b.versions,
+        b.finish_reason,
+        b.weight_version,
+    )
+    assert a.entropy_source == b.entropy_source
+    for x, y in ((a.entropy_lower, b.entropy_lower), (a.entropy_tail, b.entropy_tail)):
+        assert (x is None) == (y is None)
+        if x is not None and y is not None:
+            np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("client", sorted(CLIENTS))
+@pytest.mark.parametrize("mode", ["answer", "cumulative", "incremental"])
+@pytest.mark.parametrize("writer", ["orjson", "stand-in"])
+@pytest.mark.parametrize("switch", [False, True])
+def test_byte_path_equals_object_path(client: str, mode: str, writer: str, switch: bool) -> None:
+    body = {"text": "hello there", "sampling_params": {"max_new_tokens": 9}, **CLIENTS[client]}
+    body["stream"] = mode != "answer"
+    plan = plan_request(body, TOPK)
+    assert plan is not None
+    write = orjson.dumps if writer == "orjson" else fake._dumps
+    chunks = [write(c) for c in _answers(plan.body, mode == "incremental", switch)]
+    fast, slow = FastSample(), SampleState()
+    for raw in chunks:
+        obj = orjson.loads(raw)
+        last = obj["meta_info"]["finish_reason"] is not None
+        assert finished(raw) == last
+        if mode == "answer":
+            fast.take_answer(raw)
+            slow.feed(obj, stream=False)
+        else:
+            fast.offer(raw, last=last)
+            slow.offer(obj)
+        plan.restore(obj, 0)
+        restored = restore(raw, plan, 0)
+        if writer == "orjson":
+            assert restored == dumps(obj)
+        else:
+            assert orjson.loads(restored) == obj
+    meta = orjson.loads(chunks[-1])["meta_info"]
+    want = slow.record(meta, fallback_prompt=None, vocab_size=fake.VOCAB)
+    got = fast.record(chunks[-1], fallback_prompt=None, vocab_size=fake.VOCAB)
+    _same(got.unpack(), want)
+    assert got.nbytes - HeldRecord.pack(want).nbytes == 0
+
+
+def test_unchanged_request_keeps_the_bytes() -> None:
+    body = {"input_ids": [1, 2, 3], "return_logprob": True, "top_logprobs_num": TOPK}
+    plan = plan_request(body, TOPK)
+    assert plan is not None and not plan.changed
+    (ans,) = _answers(plan.body, False, False)
+    raw = orjson.dumps(ans)
+    assert restore(raw, plan, 0) is raw
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        # token text in the log-probs: strings inside the triples
+        {"output_token_logprobs": [[-0.5, 3, 'a,"b'], [-0.25, 4, "]]"]]},
+        # a null log-prob
+        {"output_token_logprobs": [[-0.5, 3, None], [None, 4, None]]},
+        # a null top-k row
+        {
+            "output_token_logprobs": [[-0.5, 3, None], [-0.7, 4, None]],
+            "output_top_logprobs": [[[-0.5, 3, None]], None],
+        },
+    ],
+)
+def test_refuses_what_it_cannot_read_exactly(meta: dict[str, Any]) -> None:
+    meta = {"id": "r", "finish_reason": {"type": "length", "length": 2}, **meta}
+    meta["output_token_logprobs_length"] = 2
+    raw = orjson.dumps({"text": "ab", "output_ids": [3, 4], "meta_info": meta})
+    with pytest.raises(NotFast):
+        FastSample().take_answer(raw)
+
+
+def test_held_record_costs_under_40_bytes_per_token() -> None:
+    n = 4096
+    rng = np.random.default_rng(0)
+    held = HeldRecord.build(
+        rid="r" * 36,
+        input_ids=rng.integers(0, 150_000, 512),
+        output_ids=rng.integers(0, 150_000, n),
+        logp=-rng.random(n),
+        runs=(("step-1", n),),
+        finish_reason="length",
+        weight_version="step-1",
+        entropy_lower=rng.random(n),
+        entropy_tail=rng.random(n),
+        entropy_source="topk",
+    )
+    assert held.nbytes / n <= 40
+    rec = held.unpack()
+    assert HeldRecord.pack(rec).unpack() == rec
