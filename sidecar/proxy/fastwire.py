@@ -30,7 +30,7 @@ import orjson
 from timwatch.monitor.core.errors import NotFast
 from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows, version_runs
 from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
-from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError
+from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError, finish_type
 
 __all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
 
@@ -294,7 +294,7 @@ class FastSample:
             output_ids=ids,
             logp=logp,
             runs=version_runs(meta.get("weight_versions"), self.n, wv),
-            finish_reason=_finish_type(reason),
+            finish_reason=finish_type(reason),
             weight_version=wv,
             entropy_lower=lower,
             entropy_tail=tail,
@@ -318,15 +318,6 @@ def _small_meta(buf: bytes) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise WireError(f"meta_info: expected an object, got {meta!r}")
     return meta
-
-
-def _finish_type(reason: Any) -> str | None:
-    if reason is None:
-        return None
-    if isinstance(reason, dict):
-        kind = reason.get("type")
-        return None if kind is None else str(kind)
-    return str(reason)
 
 
 def _without(buf: bytes, k: int, e: int) -> tuple[int, int]:

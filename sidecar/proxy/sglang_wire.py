@@ -260,7 +260,8 @@ def versions_from_spans(spans: Any, num_tokens: int, default: str | None) -> lis
     return versions
 
 
-def _finish_type(reason: Any) -> str | None:
+def finish_type(reason: Any) -> str | None:
+    """SGLang's ``finish_reason`` (a dict with ``type``, a string or None) as its type name."""
     if reason is None:
         return None
     if isinstance(reason, dict):
@@ -379,7 +380,7 @@ class SampleState:
             output_ids=tuple(self.ids),
             logp=tuple(float(lp) for lp in self.logps if lp is not None),
             versions=tuple(versions),
-            finish_reason=_finish_type(meta.get("finish_reason")),
+            finish_reason=finish_type(meta.get("finish_reason")),
             weight_version=weight_version,
             entropy_lower=lower,
             entropy_tail=tail,

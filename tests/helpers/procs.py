@@ -24,9 +24,11 @@ __all__ = [
     "SHARED_READ_TOKEN",
     "SHARED_TOKEN",
     "ServerProc",
+    "fake_sglang_process",
     "free_port",
     "running_process",
     "server_env",
+    "sglang_proxy_process",
     "shared_server_proc",
     "stop_process",
 ]
@@ -158,3 +160,27 @@ def shared_server_proc(directory: Path) -> ServerProc:
         log=directory / "shared-server.log",
         token=SHARED_TOKEN,
     )
+
+
+@contextmanager
+def fake_sglang_process(incremental: bool, *, fast: bool = False) -> Iterator[str]:
+    """A stand-in SGLang on a free port, its URL: `tests.helpers.fake_sglang` (exact float64
+    model) or, with ``fast``, `benchmarks/sglang_standin.py` (SGLang's compact orjson bytes)."""
+    port = free_port()
+    if fast:
+        args = [str(REPO / "benchmarks" / "sglang_standin.py"), "--port", str(port)]
+    else:
+        args = ["-m", "tests.helpers.fake_sglang", "--port", str(port)]
+    args += ["--incremental-streaming-output"] if incremental else []
+    with running_process(args, f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def sglang_proxy_process(upstream: str, *extra: str) -> Iterator[str]:
+    """``timwatch sidecar sglang --upstream UPSTREAM EXTRA…`` on a free port, its URL."""
+    port = free_port()
+    args = ["-m", "timwatch", "sidecar", "sglang"]
+    args += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}", *extra]
+    with running_process(args, f"http://127.0.0.1:{port}/timwatch/healthz"):
+        yield f"http://127.0.0.1:{port}"

@@ -10,41 +10,16 @@ are not available on this machine; the comparisons are against these stand-ins.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from tests.helpers.procs import free_port, running_process
+from tests.helpers.procs import fake_sglang_process, sglang_proxy_process
 from timwatch.sidecar.proxy.sglang_wire import SampleState
 
-ROOT = Path(__file__).resolve().parents[2]
 TOPK = 3
-
-
-@contextmanager
-def _standin(fast: bool, incremental: bool) -> Iterator[str]:
-    port = free_port()
-    if fast:
-        args = [str(ROOT / "benchmarks" / "sglang_standin.py"), "--port", str(port)]
-    else:
-        args = ["-m", "tests.helpers.fake_sglang", "--port", str(port)]
-    args += ["--incremental-streaming-output"] if incremental else []
-    with running_process(args, f"http://127.0.0.1:{port}/health"):
-        yield f"http://127.0.0.1:{port}"
-
-
-@contextmanager
-def _proxy(upstream: str, *extra: str) -> Iterator[str]:
-    port = free_port()
-    args = ["-c", "from timwatch.sidecar.cli import sidecar_app; sidecar_app()", "sglang"]
-    args += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}", *extra]
-    with running_process(args, f"http://127.0.0.1:{port}/timwatch/healthz"):
-        yield f"http://127.0.0.1:{port}"
 
 
 def _raw(url: str, body: dict[str, Any]) -> bytes:
@@ -73,7 +48,10 @@ def test_streams_and_answers_through_the_proxy_equal_the_upstream_bytes(
     fast: bool, incremental: bool
 ) -> None:
     tokens = 700 if fast else 24
-    with _standin(fast, incremental) as up, _proxy(up, "--topk", str(TOPK)) as proxy:
+    with (
+        fake_sglang_process(incremental, fast=fast) as up,
+        sglang_proxy_process(up, "--topk", str(TOPK)) as proxy,
+    ):
         captured = 0
         expected: list[tuple[list[int], list[float]]] = []
         for name, extra in sorted(BODIES.items()):
@@ -127,7 +105,10 @@ def _same_rid(raw: bytes) -> bytes:
 def test_held_records_stay_under_the_byte_bound_and_drops_are_counted() -> None:
     bound = 400_000
     tokens = 1024
-    with _standin(True, False) as up, _proxy(up, "--max-held-bytes", str(bound)) as proxy:
+    with (
+        fake_sglang_process(False, fast=True) as up,
+        sglang_proxy_process(up, "--max-held-bytes", str(bound)) as proxy,
+    ):
         body = {
             "input_ids": list(range(64)),
             "sampling_params": {"max_new_tokens": tokens},

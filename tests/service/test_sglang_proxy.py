@@ -12,7 +12,6 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tests.helpers.fake_sglang as fake
-from tests.helpers.procs import free_port, running_process
+from tests.helpers.procs import fake_sglang_process, sglang_proxy_process
 from timwatch.sidecar.proxy.capture import CaptureStore
 from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds
 from timwatch.sidecar.proxy.sglang_wire import SampleState, WireError, plan_request
@@ -32,52 +31,36 @@ TOPK = 5
 # ---------------------------------------------------------------- processes
 
 
-@contextmanager
-def _fake(incremental: bool) -> Iterator[str]:
-    port = free_port()
-    args = ["-m", "tests.helpers.fake_sglang", "--port", str(port)]
-    args += ["--incremental-streaming-output"] if incremental else []
-    with running_process(args, f"http://127.0.0.1:{port}/health"):
-        yield f"http://127.0.0.1:{port}"
-
-
-@contextmanager
-def _proxy(upstream: str, *extra: str) -> Iterator[str]:
-    port = free_port()
-    args = ["-c", "from timwatch.sidecar.cli import sidecar_app; sidecar_app()", "sglang"]
-    args += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}", *extra]
-    with running_process(args, f"http://127.0.0.1:{port}/timwatch/healthz"):
-        yield f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def fake_cum() -> Iterator[str]:
-    with _fake(incremental=False) as url:
+    with fake_sglang_process(incremental=False) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def fake_inc() -> Iterator[str]:
-    with _fake(incremental=True) as url:
+    with fake_sglang_process(incremental=True) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def proxy_cum(fake_cum: str) -> Iterator[str]:
     extra = ["--topk", str(TOPK), "--vocab-size", str(fake.VOCAB), "--probe-rate", "1"]
-    with _proxy(fake_cum, *extra) as url:
+    with sglang_proxy_process(fake_cum, *extra) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def proxy_inc(fake_inc: str) -> Iterator[str]:
-    with _proxy(fake_inc, "--topk", str(TOPK), "--vocab-size", str(fake.VOCAB)) as url:
+    with sglang_proxy_process(
+        fake_inc, "--topk", str(TOPK), "--vocab-size", str(fake.VOCAB)
+    ) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def proxy_plain(fake_cum: str) -> Iterator[str]:
-    with _proxy(fake_cum, "--timeout", "1") as url:
+    with sglang_proxy_process(fake_cum, "--timeout", "1") as url:
         yield url
 
 
