@@ -1,6 +1,6 @@
 """The trainer tap: a non-blocking, bounded queue that ships each step's packed μ, π and H to
-`timwatch serve` from a daemon thread. Importing it loads numpy, httpx and safetensors, never
-numba, FastAPI or torch."""
+`timwatch serve` from a daemon thread. Importing it loads numpy and safetensors, never
+httpx, numba, FastAPI or torch (it posts over the standard library's ``http.client``)."""
 
 from timwatch.sidecar.tap.shipper import Tap, TapStats
 
