@@ -1,6 +1,6 @@
 """Command-line options made from `PolicyParams`: one ``--name`` per dataclass field, with the
 field's default and its ``metadata["help"]``, so the API, the CLI and the docs share one
-definition of the twelve policy parameters."""
+definition of every policy parameter."""
 
 from __future__ import annotations
 
