@@ -115,3 +115,27 @@ def test_no_page_cites_a_document_users_do_not_have() -> None:
     pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
     citing = [str(p.relative_to(ROOT)) for p in pages if p.exists() and word in p.read_text()]
     assert citing == []
+
+
+def test_no_file_of_the_project_cites_a_design_document_users_do_not_have() -> None:
+    """Users have the project's own docs only: no tracked file points at the internal design
+    contract (its section marks or its file name)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    marker = "SP" + "EC"  # spelled apart so this file does not match itself
+    offenders = []
+    for name in tracked:
+        path = root / name
+        if path.is_symlink() or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        if f"{marker} §" in text or f"{marker}.md" in text:
+            offenders.append(name)
+    assert offenders == []
