@@ -120,9 +120,7 @@ def test_no_page_cites_a_document_users_do_not_have() -> None:
 def test_no_file_of_the_project_cites_a_design_document_users_do_not_have() -> None:
     """Users have the project's own docs only: no tracked file points at the internal design
     contract (its section marks or its file name)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]
+    root = ROOT
     tracked = subprocess.run(
         ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
     ).stdout.split()
