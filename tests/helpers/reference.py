@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.helpers.fsum_stats import mean, pearson
 from tests.helpers.reference_verl import verl_extras
 
 __all__ = [
@@ -210,25 +211,9 @@ def heat_bin(value: float, edges: Sequence[float]) -> int:
     raise ValueError(value)
 
 
-def _mean(xs: Sequence[float]) -> float | None:
-    return math.fsum(xs) / len(xs) if xs else None
-
-
 def _pop_var(xs: Sequence[float]) -> float:
     m = math.fsum(xs) / len(xs)
     return math.fsum((x - m) ** 2 for x in xs) / len(xs)
-
-
-def _pearson(xs: list[float], ys: list[float]) -> float | None:
-    if len(xs) < 2:
-        return None
-    mx, my = math.fsum(xs) / len(xs), math.fsum(ys) / len(ys)
-    cov = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    vx = math.fsum((x - mx) ** 2 for x in xs)
-    vy = math.fsum((y - my) ** 2 for y in ys)
-    if vx == 0.0 or vy == 0.0:
-        return None
-    return cov / math.sqrt(vx * vy)
 
 
 def _scale(xs: Sequence[float], plus: float = 0.0) -> float:
@@ -283,7 +268,7 @@ def reference(
     sc: dict[str, float] = {}
 
     def put(name: str, terms: list[float], plus: float = 0.0, value: float | None = None) -> None:
-        row[name] = (_mean(terms) if value is None else value) if terms else None
+        row[name] = (mean(terms) if value is None else value) if terms else None
         sc[name] = _scale(terms, plus)
 
     put("mismatch_kl", kk3)
@@ -301,7 +286,7 @@ def reference(
     row["prob_abs_diff_max"] = max(pdiff) if n else None
     put("is_ratio_mean", r)
     row["is_ratio_std"] = math.sqrt(_pop_var(r)) if n else None
-    sc["is_ratio_std"] = _mean([x * x for x in r]) or 0.0  # E[r²]: what Σr² − (Σr)²/N cancels
+    sc["is_ratio_std"] = mean([x * x for x in r]) or 0.0  # E[r²]: what Σr² − (Σr)²/N cancels
     row["is_ratio_min"] = min(r) if n else None
     row["is_ratio_max"] = max(r) if n else None
     row["is_ess"] = math.fsum(r) ** 2 / (n * math.fsum(x * x for x in r)) if n else None
@@ -310,11 +295,11 @@ def reference(
     put("entropy_mean", h)
     row["noise_scale"] = math.fsum(dsq) / math.fsum(hh + eps for hh in h) if n else None
     sc["noise_scale"] = 1.0
-    row["entropy_delta_corr"] = _pearson(dsq, h)
+    row["entropy_delta_corr"] = pearson(dsq, h)
     if row["entropy_delta_corr"] is not None:
         # Cancellation factor of moments from raw sums: E[x²]/Var x per variable.
-        cx = _mean([x * x for x in dsq]) / _pop_var(dsq)  # type: ignore[operator]
-        cy = _mean([y * y for y in h]) / _pop_var(h)  # type: ignore[operator]
+        cx = mean([x * x for x in dsq]) / _pop_var(dsq)  # type: ignore[operator]
+        cy = mean([y * y for y in h]) / _pop_var(h)  # type: ignore[operator]
         sc["entropy_delta_corr"] = cx + cy + math.sqrt(cx * cy)
 
     # Sequences with n_s > 0.
@@ -366,8 +351,8 @@ def reference(
         b: {
             "sequences": e["sequences"],
             "tokens": e["tokens"],
-            "seq_log_ratio_abs_mean": _mean(e["_l"]),
-            "mismatch_kl": _mean(e["_k3"]),
+            "seq_log_ratio_abs_mean": mean(e["_l"]),
+            "mismatch_kl": mean(e["_k3"]),
         }
         for b, e in sorted(lb.items())
     }
@@ -394,13 +379,13 @@ def reference(
             row["intra_switch_ratio"] = sum(1 for v in seen.values() if len(v) > 1) / len(seqs)
         if policy_version is not None:
             lags = [policy_version - ver[i] for i in flat]
-            row["version_lag_mean"] = _mean([float(x) for x in lags])
+            row["version_lag_mean"] = mean([float(x) for x in lags])
             row["version_lag_max"] = max(lags) if lags else None
             buckets: dict[int, list[float]] = {}
             for lag, kx in zip(lags, kk3, strict=True):
                 buckets.setdefault(lag, []).append(kx)
             row["lag_buckets"] = {
-                lag: {"tokens": len(v), "mismatch_kl": _mean(v)}
+                lag: {"tokens": len(v), "mismatch_kl": mean(v)}
                 for lag, v in sorted(buckets.items())
             }
 
