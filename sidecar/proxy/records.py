@@ -38,6 +38,7 @@ __all__ = [
     "EntropyBounds",
     "version_as_int",
     "version_runs",
+    "weight_spans",
 ]
 
 
@@ -121,23 +122,33 @@ def topk_entropy_bounds_rows(
     return lower, tail
 
 
-def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | None, int], ...]:
-    """Run-length per-token versions, equal to `sglang_wire.versions_from_spans`."""
-    if n == 0:
-        return ()
-    if spans is None:
-        return ((default, n),)
+def weight_spans(spans: Any) -> list[tuple[int, int, str | None]]:
+    """SGLang's ``meta_info.weight_versions`` as validated ``(start, end, label)`` spans (end
+    exclusive, label None when the span names no version); a malformed list is a `WireError`
+    naming the index."""
     if not isinstance(spans, list):
         raise WireError(f"meta_info.weight_versions: expected a list, got {spans!r}")
-    labels: list[str | None] = [default]
-    which = np.zeros(n, dtype=np.int64)
+    out: list[tuple[int, int, str | None]] = []
     for i, span in enumerate(spans):
         if not isinstance(span, dict):
             raise WireError(f"meta_info.weight_versions[{i}]: expected an object, got {span!r}")
         start, end, version = span.get("start"), span.get("end"), span.get("version")
         if not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= end:
             raise WireError(f"meta_info.weight_versions[{i}]: bad start/end {start!r}/{end!r}")
-        labels.append(None if version is None else str(version))
+        out.append((start, end, None if version is None else str(version)))
+    return out
+
+
+def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | None, int], ...]:
+    """Run-length per-token versions, equal to `sglang_wire.versions_from_spans`."""
+    if n == 0:
+        return ()
+    if spans is None:
+        return ((default, n),)
+    labels: list[str | None] = [default]
+    which = np.zeros(n, dtype=np.int64)
+    for start, end, label in weight_spans(spans):
+        labels.append(label)
         which[start:end] = len(labels) - 1
     cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), n]
     runs: list[tuple[str | None, int]] = []

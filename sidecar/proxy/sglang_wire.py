@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from timwatch.monitor.core.errors import WireError
-from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds
+from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds, weight_spans
 
 __all__ = [
     "WireError",
@@ -247,16 +247,9 @@ def versions_from_spans(spans: Any, num_tokens: int, default: str | None) -> lis
     versions: list[str | None] = [default] * num_tokens
     if spans is None:
         return versions
-    if not isinstance(spans, list):
-        raise WireError(f"meta_info.weight_versions: expected a list, got {spans!r}")
-    for i, span in enumerate(spans):
-        if not isinstance(span, dict):
-            raise WireError(f"meta_info.weight_versions[{i}]: expected an object, got {span!r}")
-        start, end, version = span.get("start"), span.get("end"), span.get("version")
-        if not isinstance(start, int) or not isinstance(end, int) or not 0 <= start <= end:
-            raise WireError(f"meta_info.weight_versions[{i}]: bad start/end {start!r}/{end!r}")
+    for start, end, label in weight_spans(spans):
         for t in range(start, min(end, num_tokens)):
-            versions[t] = None if version is None else str(version)
+            versions[t] = label
     return versions
 
 
