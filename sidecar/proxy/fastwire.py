@@ -184,6 +184,19 @@ class FastSample:
             self.pending = frame
             return
         ids, logps, top = self._parse(frame)
+        self._keep_chunk(ids, logps, top, total)
+        self._prompt(frame)
+
+    def offer_delta(self, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
+        """An unfinished chunk already read (by `scan.scan_frames`): same rules as `offer`."""
+        self.total = total
+        self._keep_chunk(ids, logps, None, total)
+
+    def _keep_chunk(
+        self, ids: np.ndarray, logps: np.ndarray, top: np.ndarray | None, total: int
+    ) -> None:
+        """Keep one chunk's tokens: a whole (cumulative) chunk replaces what was held, a delta
+        extends it; a cumulative chunk held back unparsed is read first when a delta follows."""
         if len(ids) != total and self.pending is not None:
             self._keep(*self._parse(self.pending), delta=False)
         self.pending = None
@@ -194,21 +207,6 @@ class FastSample:
                 f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
             )
         self._keep(ids, logps, top, delta=delta)
-        self._prompt(frame)
-
-    def offer_delta(self, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
-        """An unfinished chunk already read (by `scan.scan_frames`): same rules as `offer`."""
-        self.total = total
-        if len(ids) != total and self.pending is not None:
-            self._keep(*self._parse(self.pending), delta=False)
-        self.pending = None
-        delta = self.n > 0 and len(ids) != total
-        if delta and self.n + len(ids) != total:
-            raise WireError(
-                f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
-                f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
-            )
-        self._keep(ids, logps, None, delta=delta)
 
     def take_answer(self, answer: bytes) -> None:
         self._keep(*self._parse(answer), delta=False)
