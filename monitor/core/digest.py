@@ -67,5 +67,5 @@ def batch_digest(batch: Batch) -> str:
             continue
         arr = _canonical(name, np.asarray(value))
         h.update(f"{name}:{arr.dtype.str}:{arr.shape[0]};".encode())
-        h.update(memoryview(arr).cast("B"))
+        h.update(arr.data.cast("B"))
     return h.hexdigest()
