@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one test command: installs what the tests use (Debian prometheus, prometheus-alertmanager,
-# postgresql, docker-compose; a virtualenv with timwatch[test]), starts a throw-away PostgreSQL
-# on 127.0.0.1 and runs the whole suite. Extra arguments go to pytest (e.g. `scripts/test.sh -k engine`).
+# postgresql, docker-compose; a virtualenv with timwatch[test]; schemathesis in .venv-fuzz),
+# starts a throw-away PostgreSQL on 127.0.0.1 and runs the whole suite. Extra arguments go to
+# pytest (e.g. `scripts/test.sh -k engine`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,15 @@ PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+# schemathesis in its own cached venv: grafana-client's niquests pulls urllib3-future, which
+# replaces urllib3 where it is installed and breaks schemathesis's requests transport
+SCHEMATHESIS_PIN="schemathesis==4.32.5"
+if [ ! -x .venv-fuzz/bin/st ] || ! grep -qx "$SCHEMATHESIS_PIN" .venv-fuzz/pinned 2>/dev/null; then
+  rm -rf .venv-fuzz && "$PY" -m venv .venv-fuzz
+  .venv-fuzz/bin/python -m pip install -q "$SCHEMATHESIS_PIN"
+  echo "$SCHEMATHESIS_PIN" > .venv-fuzz/pinned
+fi
+export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
 
 if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
   # a fresh cluster in a new directory for this run, stopped and removed when the script exits

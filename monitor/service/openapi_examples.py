@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from timwatch.monitor.service.batch_schema import batch_schema
+
 __all__ = [
     "BATCH_BODY",
+    "EVENTS_RESPONSES",
     "INGEST_DESCRIPTION",
     "INGEST_RESPONSES",
     "MASKS_DESCRIPTION",
@@ -33,10 +36,7 @@ BATCH_BODY: dict[str, Any] = {
     "required": True,
     "content": {
         "application/json": {
-            "schema": {
-                "type": "object",
-                "description": "packed batch as lists (docs/reference/batch.md)",
-            },
+            "schema": batch_schema(),
             "example": _BATCH,
         },
         "application/x-safetensors": {
@@ -189,4 +189,27 @@ STEP_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     404: error("Unknown run or step.", "step 12 of run 'x' not found"),
+}
+
+EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The run's most recent events, newest first.",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b",
+                    "events": [
+                        {
+                            "ts": 1764403600.0,
+                            "kind": "token_id_drift",
+                            "step": 12,
+                            "message": "3 of 4096 token ids differ",
+                            "data": {"mismatched": 3, "tokens": 4096},
+                        }
+                    ],
+                }
+            }
+        },
+    },
+    404: error("Unknown run.", "run 'x' not found"),
 }

@@ -96,7 +96,9 @@ def get_step(run: str, step: int, store: StoreDep) -> Response:
     return json_response(found)
 
 
-@router.get("/v1/runs/{run}/events", summary="Recent events of a run")
+@router.get(
+    "/v1/runs/{run}/events", summary="Recent events of a run", responses=ex.EVENTS_RESPONSES
+)
 def get_events(
     run: str, store: StoreDep, limit: Annotated[int, Query(ge=1, le=10000)] = 100
 ) -> Response:
