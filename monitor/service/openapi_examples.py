@@ -92,9 +92,8 @@ Ingest one packed batch for run `{run}` and answer its metric row.
 * `?masks=estr,icepop` adds keep masks: for N positions, `np.packbits(mask, bitorder="little")`
   encoded base64 (`"encoding": "packbits-little-base64"`); decode with
   `np.unpackbits(np.frombuffer(base64.b64decode(s), np.uint8), count=n, bitorder="little")`.
-* `?tag=key=value` (repeatable) merges tags into the run: at most 64 per run, keys of 1-64
-  characters `[A-Za-z0-9_.:-]`, values up to 256 characters without control characters;
-  beyond that `422` names the tag and nothing is stored.
+* `?tag=key=value` (repeatable) merges tags into the run, within the bounds the parameter
+  states; beyond them `422` names the tag and nothing is stored.
 * Header `Timwatch-Tap-Dropped: N` (sent by the tap): batches it dropped since its last accepted
   post, added to `timwatch_tap_dropped_batches_total{run}` when this batch is new.
 * A batch for a finished run re-opens it.

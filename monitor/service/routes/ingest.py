@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from timwatch.monitor.core.errors import ApiError
 from timwatch.monitor.core.runid import check_run_id
+from timwatch.monitor.core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
 from timwatch.monitor.service import openapi_examples as ex
 from timwatch.monitor.service.deps import RunsDep, SettingsDep, StoreDep, read_body, require_write
 from timwatch.monitor.service.ingest import (
@@ -26,6 +27,12 @@ from timwatch.monitor.service.responses import json_response
 __all__ = ["router"]
 
 router = APIRouter()
+
+TAG_DESCRIPTION = (
+    f"key=value tags for the run (repeatable): at most {MAX_TAGS} per run, keys of 1-{MAX_TAG_KEY} "
+    f"characters [A-Za-z0-9_.:-], values of at most {MAX_TAG_VALUE} characters without control "
+    "characters"
+)
 
 
 @router.post(
@@ -46,7 +53,7 @@ async def ingest(
     masks: Annotated[str | None, Query(description="policies (comma-separated) or 'all'")] = None,
     tag: Annotated[
         list[str] | None,
-        Query(description="key=value tags for the run (repeatable; bounds: see the API reference)"),
+        Query(description=TAG_DESCRIPTION),
     ] = None,
     tap_dropped_header: Annotated[
         str | None,
