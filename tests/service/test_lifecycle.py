@@ -18,6 +18,7 @@ from tests.helpers.procs import REPO, SHARED_READ_TOKEN, SHARED_TOKEN, ServerPro
 from tests.helpers.wire import as_batch, counters, fresh_run, post, raw_batch
 from timwatch.monitor.client import TimwatchClient
 from timwatch.monitor.core.engine import accumulate
+from timwatch.monitor.core.jsoncodec import loads
 from timwatch.monitor.service.runs import RunRegistry
 from timwatch.monitor.service.settings import DEFAULT_FINISH_GRACE, DEFAULT_RUN_TTL, Settings
 
@@ -146,6 +147,12 @@ def test_cli_finish(shared_server: ServerProc) -> None:
     assert '"already_finished":true' in second.stdout.replace(" ", "")
     with shared_server.client() as c:
         assert listed(c, run)["finished_at"] is not None
+    shown = subprocess.run(
+        [sys.executable, "-m", "timwatch", "runs", "--json", *at],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert next(r for r in loads(shown.stdout) if r["run"] == run)["finished_at"] is not None
     one_line(timwatch_finish(fresh_run("never"), *at), "not found")
     one_line(timwatch_finish("a b", *at), "RUN 'a b'", "run id may contain only")
     read_only = ["--url", shared_server.url, "--token", SHARED_READ_TOKEN]
@@ -195,3 +202,14 @@ def test_registry_finish_keeps_the_first_time_and_a_batch_reopens(
     runs.observe("idle", accumulate(as_batch(raw_batch(8))), {}, 1)
     assert "idle" in runs and runs.evict(now=seen + DEFAULT_FINISH_GRACE + 1) == []
     assert [s.finished_m for s in runs.snapshot()] == [None]
+
+
+def test_openapi_documents_finish_conflicts_and_the_tap_header(server: ServerProc) -> None:
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    finish = spec["paths"]["/v1/runs/{run}/finish"]["post"]
+    assert {"200", "401", "404"} <= set(finish["responses"])
+    assert "example" in finish["responses"]["200"]["content"]["application/json"]
+    ingest = spec["paths"]["/v1/runs/{run}/batches"]["post"]
+    assert "409" in ingest["responses"]
+    params = {(p["name"], p["in"]) for p in ingest["parameters"]}
+    assert ("Timwatch-Tap-Dropped", "header") in params
