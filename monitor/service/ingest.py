@@ -138,9 +138,10 @@ def ingest_batch(
     """
     check_run(run)
     batch = parse_batch(body, content_type, nonfinite=nonfinite, reason="validation")
-    digest = batch_digest(batch)
+    bid = batch.batch_id
+    # only an id can be replayed or conflict; the digest costs about as much as the kernel
+    digest = batch_digest(batch) if bid is not None else None
     try:
-        bid = batch.batch_id
         stored = store.find_batch(run, bid, digest) if bid is not None else None
         if stored is None:
             answer, replayed = _record(
@@ -167,7 +168,7 @@ def _record(
     batch: Batch,
     params: PolicyParams,
     tags: dict[str, str],
-    digest: str,
+    digest: str | None,
     tap_dropped: int,
 ) -> tuple[dict[str, Any], bool]:
     acc: Accumulator = accumulate(batch, params)
