@@ -119,15 +119,12 @@ def runs(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = Fals
     if json:
         sys.stdout.write(dumps(items).decode() + "\n")
         return
-    t = Table(
-        "run", "steps", "last step", "first seen (UTC)", "last seen (UTC)", "finished (UTC)",
-        "tags",
-    )  # fmt: skip
+    t = Table("run", "steps", "last step", "first seen (UTC)", "last seen (UTC)", "tags")
     for r in items:
         tags = ", ".join(f"{k}={v}" for k, v in (r.get("tags") or {}).items())
         t.add_row(
             escape(r["run"]), str(r["steps"]), _fmt(r["last_step"]), _when(r["first_seen"]),
-            _when(r["last_seen"]), _when(r.get("finished_at")), escape(tags),
+            _when(r["last_seen"]), escape(tags),
         )  # fmt: skip
     console.print(t)
 

@@ -51,10 +51,7 @@ async def ingest(
     store: StoreDep,
     runs: RunsDep,
     masks: Annotated[str | None, Query(description="policies (comma-separated) or 'all'")] = None,
-    tag: Annotated[
-        list[str] | None,
-        Query(description=TAG_DESCRIPTION),
-    ] = None,
+    tag: Annotated[list[str] | None, Query(description=TAG_DESCRIPTION)] = None,
     tap_dropped_header: Annotated[
         str | None,
         Header(
