@@ -112,6 +112,10 @@ class TimwatchClient:
         r = self.http.post("/v1/masks", content=body, params=q, headers={"Content-Type": ctype})
         return decode_masks(loads(self._check(r).content))
 
+    def finish(self, run: str) -> dict[str, Any]:
+        """POST ``/v1/runs/{run}/finish``: ``{"run", "finished_at", "already_finished"}``."""
+        return loads(self._check(self.http.post(f"/v1/runs/{run}/finish")).content)
+
     def runs(self) -> list[dict[str, Any]]:
         return loads(self._check(self.http.get("/v1/runs")).content)["runs"]
 

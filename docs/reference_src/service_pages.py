@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from timwatch.monitor.core.runid import MAX_RUN_ID, check_run_id
+from timwatch.monitor.core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
 
 from .common import code, table
 
@@ -151,4 +152,9 @@ def api_markers(served: Served) -> dict[str, str]:
         "endpoints": table(["method", "path", "summary", "answers"], rows),
         "parameters": "\n\n".join(params),
         "run_ids": f"A run id {rule}, and has at most {MAX_RUN_ID} characters.",
+        "tag_bounds": (
+            f"A run holds at most {MAX_TAGS} tags; a key has 1 to {MAX_TAG_KEY} characters of "
+            f"`[A-Za-z0-9_.:-]`, a value at most {MAX_TAG_VALUE} characters and no control "
+            "characters."
+        ),
     }

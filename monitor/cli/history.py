@@ -58,10 +58,15 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object")]
 RunArg = Annotated[str, typer.Argument(help="run name", show_default=False)]
 
 
-def ask(url: str, token: str | None, call: Callable[[TimwatchClient], T]) -> T:
+def ask(
+    url: str,
+    token: str | None,
+    call: Callable[[TimwatchClient], T],
+    token_env: str = "TIMWATCH_READ_TOKEN",
+) -> T:
     """``call`` on a client of the server at ``url``; transport failures and 4xx answers
-    become one-line `ConfigError`s that say what to change. httpx loads here, not when the
-    ``timwatch`` program starts."""
+    become one-line `ConfigError`s that say what to change (a refused token: set ``--token``
+    or `token_env`). httpx loads here, not when the ``timwatch`` program starts."""
     import httpx
 
     from timwatch.monitor.client import TimwatchClient
@@ -86,7 +91,7 @@ def ask(url: str, token: str | None, call: Callable[[TimwatchClient], T]) -> T:
             if exc.status in (401, 403):
                 raise ConfigError(
                     f"timwatch at {client.url} refused the token ({exc.status}: {exc.detail}): "
-                    "set --token or TIMWATCH_READ_TOKEN"
+                    f"set --token or {token_env}"
                 ) from None
             if 400 <= exc.status < 500:
                 raise ConfigError(exc.detail) from None

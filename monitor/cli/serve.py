@@ -8,7 +8,12 @@ import typer
 
 from timwatch.monitor.cli.params import check_nonfinite, with_policy_options
 from timwatch.monitor.core.masks import PolicyParams
-from timwatch.monitor.service.settings import DEFAULT_DB_URL, DEFAULT_MAX_BODY, DEFAULT_RUN_TTL
+from timwatch.monitor.service.settings import (
+    DEFAULT_DB_URL,
+    DEFAULT_FINISH_GRACE,
+    DEFAULT_MAX_BODY,
+    DEFAULT_RUN_TTL,
+)
 
 __all__ = ["serve"]
 
@@ -39,8 +44,12 @@ def serve(
     ] = False,
     max_body: Annotated[int, typer.Option(help="largest request body, bytes")] = DEFAULT_MAX_BODY,
     run_ttl: Annotated[
-        float, typer.Option(help="seconds an idle run stays in /metrics")
+        float,
+        typer.Option(help="seconds an idle, unfinished run stays in /metrics (stall alerts)"),
     ] = DEFAULT_RUN_TTL,
+    finish_grace: Annotated[
+        float, typer.Option(help="seconds a finished run stays in /metrics (timwatch finish)")
+    ] = DEFAULT_FINISH_GRACE,
     nonfinite: Annotated[
         str, typer.Option(help="refuse: 422 on NaN/inf; drop: mask and count such tokens")
     ] = "refuse",
@@ -54,7 +63,7 @@ def serve(
 
     settings = Settings(
         host=host, port=port, db_url=db, token=token or None, read_token=read_token or None,
-        max_body=max_body, run_ttl=run_ttl, nonfinite=check_nonfinite(nonfinite),
-        params=params, insecure=insecure,
+        max_body=max_body, run_ttl=run_ttl, finish_grace=finish_grace,
+        nonfinite=check_nonfinite(nonfinite), params=params, insecure=insecure,
     )  # fmt: skip
     run_server(settings, log_level=log_level)

@@ -47,7 +47,8 @@ def _canonical(name: str, arr: np.ndarray) -> np.ndarray:
     if kind == "f":
         if arr.dtype == np.float32:
             return np.ascontiguousarray(arr)
-        narrow = arr.astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):  # out of float32 range: not exact
+            narrow = arr.astype(np.float32)
         if np.array_equal(narrow.astype(arr.dtype), arr):
             return narrow
         return np.ascontiguousarray(arr, dtype=np.float64)

@@ -7,6 +7,7 @@ Each subclass also keeps the builtin base callers already catch (`ValueError` fo
     TimwatchError
     ├── InputError (ValueError)            bad data from a user or a client
     │   ├── BatchError                     a batch that fails validation (field, index)
+    │   ├── BatchConflict                  a known batch_id posted again with other content
     │   ├── JoinError                      a malformed trainer report (field)
     │   └── WireError                      an engine answer of the wrong shape
     ├── ConfigError (ValueError)           a setting that cannot work (URL, path, port, driver)
@@ -25,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "ApiError",
+    "BatchConflict",
     "BatchError",
     "ConfigError",
     "InputError",
@@ -62,6 +64,19 @@ class BatchError(InputError):
     def __init__(self, field: str, message: str, index: int | None = None) -> None:
         super().__init__(field, message)
         self.index = index
+
+
+class BatchConflict(InputError):
+    """A ``batch_id`` the run already has, posted again with different content (another content
+    digest). ``step`` is the step stored under that id; nothing of the new batch was stored."""
+
+    def __init__(self, run: str, batch_id: str, step: int) -> None:
+        super().__init__(
+            "batch_id",
+            f"batch_id {batch_id!r} of run {run!r} was already ingested (step {step}) with "
+            "different content; nothing was stored: send new content under a new batch_id",
+        )
+        self.run, self.batch_id, self.step = run, batch_id, step
 
 
 class JoinError(InputError):

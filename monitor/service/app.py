@@ -54,7 +54,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     """The ASGI app. Opens (and migrates) the store unless one is given; closes it on
     shutdown either way."""
     db = store if store is not None else Store(settings.db_url)
-    runs = RunRegistry(ttl=settings.run_ttl)
+    runs = RunRegistry(ttl=settings.run_ttl, finish_grace=settings.finish_grace)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

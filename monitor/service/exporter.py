@@ -188,12 +188,21 @@ class TimwatchCollector(Collector):
         yield oob
         rejected = CounterMetricFamily(
             "timwatch_rejected_batches",
-            "Batches refused, by reason (validation, too_large, unauthorized, store_unavailable).",
+            "Batches refused, by reason (validation, too_large, unauthorized, store_unavailable,"
+            " conflict).",
             labels=["reason"],
         )
         for reason, n in self.runs.rejected().items():
             rejected.add_metric([reason], float(n))
         yield rejected
+        dropped = CounterMetricFamily(
+            "timwatch_tap_dropped_batches",
+            "Batches the run's taps reported dropping (header Timwatch-Tap-Dropped).",
+            labels=["run"],
+        )
+        for s in states:
+            dropped.add_metric([s.run], float(s.tap_dropped))
+        yield dropped
 
     def _histograms(self, states: list[RunState]) -> Iterator[Metric]:
         abs_lr = HistogramMetricFamily(
@@ -222,10 +231,17 @@ class TimwatchCollector(Collector):
             "Unix time the latest batch was accepted.",
             labels=["run"],
         )
+        finished = GaugeMetricFamily(
+            "timwatch_run_finished",
+            "1 while the run is finished (POST /v1/runs/{run}/finish), within its grace; else 0.",
+            labels=["run"],
+        )
         for s in states:
             step.add_metric([s.run], float(s.step))
             ts.add_metric([s.run], s.last_batch_ts)
+            finished.add_metric([s.run], 0.0 if s.finished_m is None else 1.0)
         yield step
+        yield finished
         for name, doc, key in _GAUGES:
             fam = GaugeMetricFamily(name, doc, labels=["run"])
             for s in states:

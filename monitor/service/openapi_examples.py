@@ -9,6 +9,8 @@ from timwatch.monitor.service.batch_schema import batch_schema
 __all__ = [
     "BATCH_BODY",
     "EVENTS_RESPONSES",
+    "FINISH_DESCRIPTION",
+    "FINISH_RESPONSES",
     "INGEST_DESCRIPTION",
     "INGEST_RESPONSES",
     "MASKS_DESCRIPTION",
@@ -80,14 +82,21 @@ Ingest one packed batch for run `{run}` and answer its metric row.
 
 * Body: JSON (`Content-Type: application/json`) or safetensors
   (`Content-Type: application/x-safetensors`, several times cheaper to send and parse).
-* Idempotent on `batch_id`: a replay answers the stored answer with `"replayed": true` and
-  changes nothing (history, counters). Without a `batch_id` every post counts.
+* Idempotent on `batch_id`: a replay (same `batch_id`, same content) answers the stored answer
+  with `"replayed": true` and changes nothing (history, counters). The content is compared by
+  digest, whatever the wire format (JSON or safetensors of the same numbers is the same batch).
+  The same `batch_id` with different content answers `409` naming the batch id and its stored
+  step, stores nothing and counts as `conflict`. Without a `batch_id` every post counts.
 * Several batches of one step (ranks, micro-batches) merge exactly into one step row:
   `row` is this batch's row, `step_row` the step's row so far.
 * `?masks=estr,icepop` adds keep masks: for N positions, `np.packbits(mask, bitorder="little")`
   encoded base64 (`"encoding": "packbits-little-base64"`); decode with
   `np.unpackbits(np.frombuffer(base64.b64decode(s), np.uint8), count=n, bitorder="little")`.
-* `?tag=key=value` (repeatable) merges tags into the run.
+* `?tag=key=value` (repeatable) merges tags into the run, within the bounds the parameter
+  states; beyond them `422` names the tag and nothing is stored.
+* Header `Timwatch-Tap-Dropped: N` (sent by the tap): batches it dropped since its last accepted
+  post, added to `timwatch_tap_dropped_batches_total{run}` when this batch is new.
+* A batch for a finished run re-opens it.
 """
 
 INGEST_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -108,6 +117,14 @@ INGEST_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     401: error("Missing or wrong bearer token (writes need TIMWATCH_TOKEN).", "unauthorized"),
+    409: error(
+        "The batch_id is known with different content; nothing stored.",
+        "batch_id 'run7-step12-rank0' of run 'grpo-7b' was already ingested (step 12) with "
+        "different content; nothing was stored: send new content under a new batch_id",
+        field="batch_id",
+        batch_id="run7-step12-rank0",
+        step=12,
+    ),
     413: error("Body over --max-body.", "body exceeds 268435456 bytes"),
     415: error("Unsupported Content-Type.", "unsupported content type 'text/plain'"),
     422: error(
@@ -117,6 +134,31 @@ INGEST_RESPONSES: dict[int | str, dict[str, Any]] = {
         index=3,
     ),
     503: error("Store down or locked; retry after the Retry-After seconds.", "store unavailable"),
+}
+
+FINISH_DESCRIPTION = """
+Mark run `{run}` finished (the trainer is done): stored as the run's `finished_at` with an event
+`run_finished`; the run's series leave `/metrics` after `--finish-grace` seconds (default 300)
+and meanwhile `timwatch_run_finished{run}` is 1, so the stall alert stays quiet. Idempotent: a
+second call answers the first `finished_at` with `already_finished: true`. A later batch
+re-opens the run.
+"""
+
+FINISH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The run and when it was finished.",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b",
+                    "finished_at": 1764403600.0,
+                    "already_finished": False,
+                }
+            }
+        },
+    },
+    401: error("Missing or wrong bearer token (writes need TIMWATCH_TOKEN).", "unauthorized"),
+    404: error("Unknown run.", "run 'x' not found"),
 }
 
 MASKS_DESCRIPTION = """
@@ -147,6 +189,7 @@ RUNS_RESPONSES: dict[int | str, dict[str, Any]] = {
                             "last_step": 812,
                             "steps": 813,
                             "tags": {"model": "qwen3-8b"},
+                            "finished_at": None,
                         }
                     ]
                 }

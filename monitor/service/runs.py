@@ -1,7 +1,14 @@
-"""The live per-run state the Prometheus exporter reads (run ids: `timwatch.monitor.core.runid`)."""
+"""The live per-run state the Prometheus exporter reads (run ids: `timwatch.monitor.core.runid`).
+
+Lifecycle of a run here: its first accepted batch makes it live; it stays exported while batches
+arrive and for ``ttl`` seconds after the last one (default one day, so a stuck run keeps its
+series and its stall alert); ``finish`` marks it finished, and a finished run leaves after
+``finish_grace`` seconds. A batch accepted after ``finish`` re-opens the run (unfinished again).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -11,14 +18,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from timwatch.monitor.core.accumulator import Accumulator
 
+from timwatch.monitor.service.settings import DEFAULT_FINISH_GRACE, DEFAULT_RUN_TTL
+
 __all__ = [
     "REJECT_REASONS",
     "RunRegistry",
     "RunState",
 ]
 
-#: the fixed label set of ``timwatch_rejected_batches_total{reason}``
-REJECT_REASONS = ("validation", "too_large", "unauthorized", "store_unavailable")
+#: the fixed label set of ``timwatch_rejected_batches_total{reason}``; ``conflict``: a known
+#: ``batch_id`` posted again with different content (409)
+REJECT_REASONS = ("validation", "too_large", "unauthorized", "store_unavailable", "conflict")
 
 
 @dataclass
@@ -31,19 +41,26 @@ class RunState:
     step: int
     last_seen: float  # time.monotonic() of the last accepted batch (TTL)
     last_batch_ts: float  # wall clock of the last accepted batch
+    tap_dropped: int = 0  # batches the run's taps reported dropping (Timwatch-Tap-Dropped)
+    finished_m: float | None = None  # time.monotonic() of finish; None while running
 
 
 @dataclass
 class RunRegistry:
-    """Thread-safe map run → RunState plus rejection counters; idle runs expire after ``ttl``."""
+    """Thread-safe map run → RunState plus rejection counters; idle runs expire after ``ttl``,
+    finished ones ``finish_grace`` after their finish."""
 
-    ttl: float = 3600.0
+    ttl: float = DEFAULT_RUN_TTL
+    finish_grace: float = DEFAULT_FINISH_GRACE
     _runs: dict[str, RunState] = field(default_factory=dict)
     _rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def observe(self, run: str, acc: Accumulator, row: dict[str, Any], step: int) -> None:
-        """Add one newly accepted batch (never a replay) to ``run``'s live state.
+    def observe(
+        self, run: str, acc: Accumulator, row: dict[str, Any], step: int, tap_dropped: int = 0
+    ) -> None:
+        """Add one newly accepted batch (never a replay) to ``run``'s live state; a finished
+        run is re-opened.
 
         Counters take every batch; the gauges follow the highest step seen, so a late batch of
         an older step does not move ``timwatch_step`` backwards.
@@ -52,12 +69,26 @@ class RunRegistry:
         with self._lock:
             cur = self._runs.get(run)
             if cur is None:
-                self._runs[run] = RunState(run, acc, row, step, now_m, now_w)
+                self._runs[run] = RunState(run, acc, row, step, now_m, now_w, tap_dropped)
             else:
                 cur.acc = cur.acc.merge(acc)
                 cur.last_seen, cur.last_batch_ts = now_m, now_w
+                cur.tap_dropped += tap_dropped
+                cur.finished_m = None
                 if step >= cur.step:
                     cur.row, cur.step = row, step
+
+    def finish(self, run: str, now: float | None = None) -> bool:
+        """Mark a live run finished (it leaves after ``finish_grace``); False if not live.
+        Finishing again keeps the first time, so the grace is not extended."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            cur = self._runs.get(run)
+            if cur is None:
+                return False
+            if cur.finished_m is None:
+                cur.finished_m = now
+            return True
 
     def reject(self, reason: str) -> None:
         if reason not in self._rejected:
@@ -69,23 +100,30 @@ class RunRegistry:
         with self._lock:
             return dict(self._rejected)
 
+    def _expired(self, s: RunState, now: float) -> bool:
+        if s.finished_m is not None and now - s.finished_m > self.finish_grace:
+            return True
+        return now - s.last_seen > self.ttl
+
     def evict(self, now: float | None = None) -> list[str]:
-        """Drop runs idle longer than the TTL; returns their ids."""
+        """Drop runs idle longer than the TTL and finished runs past their grace; returns
+        their ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            gone = [r for r, s in self._runs.items() if now - s.last_seen > self.ttl]
+            gone = [r for r, s in self._runs.items() if self._expired(s, now)]
             for r in gone:
                 del self._runs[r]
         return gone
 
     def snapshot(self) -> list[RunState]:
-        """A consistent copy of the live runs (after evicting idle ones), sorted by id."""
+        """A consistent copy of the live runs (after evicting expired ones), sorted by id."""
         self.evict()
         with self._lock:
-            return [
-                RunState(s.run, s.acc, s.row, s.step, s.last_seen, s.last_batch_ts)
-                for _, s in sorted(self._runs.items())
-            ]
+            return [dataclasses.replace(s) for _, s in sorted(self._runs.items())]
+
+    def __contains__(self, run: object) -> bool:
+        with self._lock:
+            return run in self._runs
 
     def __iter__(self) -> Iterator[str]:
         with self._lock:

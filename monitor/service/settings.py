@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_DB_URL",
+    "DEFAULT_FINISH_GRACE",
     "DEFAULT_MAX_BODY",
     "DEFAULT_RUN_TTL",
     "Settings",
@@ -24,7 +25,10 @@ __all__ = [
 
 DEFAULT_DB_URL = "sqlite:///./timwatch.db"
 DEFAULT_MAX_BODY = 256 * 1024 * 1024
-DEFAULT_RUN_TTL = 3600.0
+#: seconds an idle, unfinished run stays in /metrics (a day: a stuck run keeps alerting)
+DEFAULT_RUN_TTL = 86400.0
+#: seconds a finished run (``POST /v1/runs/{run}/finish``) stays in /metrics
+DEFAULT_FINISH_GRACE = 300.0
 
 
 def _default_params() -> PolicyParams:
@@ -44,6 +48,7 @@ class Settings:
     read_token: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     run_ttl: float = DEFAULT_RUN_TTL
+    finish_grace: float = DEFAULT_FINISH_GRACE
     nonfinite: Literal["refuse", "drop"] = "refuse"
     params: PolicyParams = field(default_factory=_default_params)
     insecure: bool = False

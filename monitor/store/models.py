@@ -129,6 +129,8 @@ class Run(Base):
     last_seen: Mapped[float] = mapped_column(Double)
     last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     tags: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    #: Unix time of ``POST /v1/runs/{run}/finish``; cleared by the next batch (migration 0004)
+    finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 steps_table = Table(
@@ -186,6 +188,9 @@ class BatchRecord(Base):
     received_at: Mapped[float] = mapped_column(Double)
     tokens: Mapped[int] = mapped_column(BigInteger)
     response: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: `timwatch.monitor.core.digest.batch_digest` of the content; NULL on rows stored before
+    #: migration 0004 (such a batch_id replays whatever is posted under it)
+    digest: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class Event(Base):

@@ -1,6 +1,7 @@
 """Repository: every read and write of the history store, one transaction per batch.
 
-A batch is written in a single transaction that (1) checks its ``batch_id`` (idempotency),
+A batch is written in a single transaction that (1) checks its ``batch_id`` against the stored
+content digest (the same content is a replay, other content a `BatchConflict`),
 (2) merges its accumulator into the stored state of its step, (3) rewrites the step row and
 details from the merged state and (4) records the answer. Either all of it commits or none, so
 a crash or a store outage never leaves a half-written step. Concurrent writers of the same step
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from operator import itemgetter
@@ -21,9 +21,7 @@ from sqlalchemy import Table, func, insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from timwatch.monitor.core.accumulator import Accumulator
 from timwatch.monitor.core.errors import StoreUnavailable
-from timwatch.monitor.core.row import derive_row
 from timwatch.monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
 from timwatch.monitor.store.models import (
     METRIC_COLUMNS,
@@ -34,16 +32,7 @@ from timwatch.monitor.store.models import (
     steps_table,
 )
 from timwatch.monitor.store.series import SeriesMismatch, jsonable, read_series
-from timwatch.monitor.store.series import write_step as write_series
-from timwatch.monitor.store.writes import (
-    find_batch,
-    flatten_row,
-    lock_step_state,
-    step_columns,
-    touch_run,
-    write_batch_events,
-    write_step_row,
-)
+from timwatch.monitor.store.writes import finish_run, flatten_row, replay_of, write_new_batch
 
 __all__ = ["Store", "StoreUnavailable", "flatten_row"]
 
@@ -98,12 +87,15 @@ class Store:
         self._guard(go)
 
     # -- writes ---------------------------------------------------------------------------------
-    def find_batch(self, run: str, batch_id: str) -> dict[str, Any] | None:
-        """The stored answer for a batch already ingested, else None."""
+    def find_batch(
+        self, run: str, batch_id: str, digest: str | None = None
+    ) -> dict[str, Any] | None:
+        """The stored answer for a batch already ingested, else None; `BatchConflict` when
+        ``digest`` is given and the stored one differs (see `writes.replay_of`)."""
 
         def go() -> dict[str, Any] | None:
             with self.engine.connect() as conn:
-                return find_batch(conn, run, batch_id)
+                return replay_of(conn, run, batch_id, digest)
 
         return self._guard(go)
 
@@ -118,12 +110,16 @@ class Store:
         respond: Callable[[dict[str, Any]], dict[str, Any]],
         tags: dict[str, str] | None = None,
         now: float | None = None,
+        digest: str | None = None,
     ) -> tuple[dict[str, Any], bool, Any]:
         """Merge one batch's accumulator into its step, atomically.
 
-        ``respond(step_row)`` builds the answer that is stored with the batch. Returns
-        ``(answer, replayed, merged_step_accumulator)``; a replay returns the stored answer,
-        ``True`` and ``None`` and writes nothing.
+        ``respond(step_row)`` builds the answer that is stored with the batch, with ``digest``
+        (its content digest). Returns ``(answer, replayed, merged_step_accumulator)``; a replay
+        (same ``batch_id``, same digest) returns the stored answer, ``True`` and ``None`` and
+        writes nothing; the same ``batch_id`` with another digest raises `BatchConflict`, and
+        tags past `MAX_TAGS` raise `InputError`, both writing nothing. The check runs inside
+        the transaction, so of two concurrent twins exactly one is stored.
         """
 
         def go() -> tuple[dict[str, Any], bool, Any]:
@@ -132,29 +128,14 @@ class Store:
                 try:
                     with self._writing(), self._writer.begin() as conn:
                         if batch_id is not None:
-                            found = find_batch(conn, run, batch_id)
+                            found = replay_of(conn, run, batch_id, digest)
                             if found is not None:
                                 return found, True, None
-                        touch_run(conn, run, step, ts, tags)
-                        prev = lock_step_state(conn, run, step, self.sqlite)
-                        merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
-                        row = derive_row(merged).to_dict()
-                        write_step_row(conn, run, step, ts, merged, row, new=prev is None)
-                        write_series(
-                            conn, run, step, step_columns(merged, row), lock=not self.sqlite
-                        )
-                        write_batch_events(conn, run, step, ts, acc)
-                        answer = respond(row)
-                        conn.execute(
-                            insert(_batches).values(
-                                run_id=run,
-                                batch_id=batch_id if batch_id is not None else f"~{uuid.uuid4()}",
-                                step=step,
-                                received_at=ts,
-                                tokens=tokens,
-                                response=answer,
-                            )
-                        )
+                        answer, merged = write_new_batch(
+                            conn, run, step=step, batch_id=batch_id, acc=acc, tokens=tokens,
+                            respond=respond, tags=tags, ts=ts, digest=digest,
+                            sqlite=self.sqlite,
+                        )  # fmt: skip
                     return answer, False, merged
                 except IntegrityError:
                     if attempt == _RETRIES - 1:
@@ -163,6 +144,16 @@ class Store:
             raise AssertionError("unreachable")
 
         return self._guard(go)
+
+    def finish_run(self, run: str, now: float | None = None) -> tuple[float, bool] | None:
+        """Mark ``run`` finished: ``(finished_at, newly)``, None for an unknown run
+        (`writes.finish_run`)."""
+
+        def go() -> tuple[float, bool] | None:
+            with self._writing(), self._writer.begin() as conn:
+                return finish_run(conn, run, time.time() if now is None else now)
+
+        return cast(tuple[float, bool] | None, self._guard(go))
 
     def add_event(
         self,
@@ -205,6 +196,7 @@ class Store:
                         "last_step": r.last_step,
                         "steps": int(r.steps),
                         "tags": r.tags or {},
+                        "finished_at": r.finished_at,
                     }
                     for r in conn.execute(stmt)
                 ]

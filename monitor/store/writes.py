@@ -6,10 +6,16 @@ whole or not at all.
 
 from __future__ import annotations
 
-from typing import Any, cast
+import uuid
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection, Table, insert, select, update
 
+from timwatch.monitor.core.accumulator import Accumulator
+from timwatch.monitor.core.errors import BatchConflict
+from timwatch.monitor.core.row import derive_row
+from timwatch.monitor.core.tags import check_tag_count
 from timwatch.monitor.store.models import (
     COUNT_COLUMNS,
     FLOAT_COLUMNS,
@@ -21,14 +27,19 @@ from timwatch.monitor.store.models import (
     StepDetail,
     steps_table,
 )
+from timwatch.monitor.store.series import write_step as write_series
 
 __all__ = [
+    "StoredBatch",
     "find_batch",
+    "finish_run",
     "flatten_row",
+    "replay_of",
     "lock_step_state",
     "step_columns",
     "touch_run",
     "write_batch_events",
+    "write_new_batch",
     "write_step_row",
 ]
 
@@ -62,18 +73,48 @@ def flatten_row(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def find_batch(conn: Connection, run: str, batch_id: str) -> dict[str, Any] | None:
+class StoredBatch(NamedTuple):
+    """A batch row: the answer given when it was ingested, its step and its content digest
+    (None on rows stored before migration 0004)."""
+
+    response: dict[str, Any]
+    step: int
+    digest: str | None
+
+
+def find_batch(conn: Connection, run: str, batch_id: str) -> StoredBatch | None:
     r = conn.execute(
-        select(_batches.c.response).where(_batches.c.run_id == run, _batches.c.batch_id == batch_id)
+        select(_batches.c.response, _batches.c.step, _batches.c.digest).where(
+            _batches.c.run_id == run, _batches.c.batch_id == batch_id
+        )
     ).first()
-    return None if r is None else r.response
+    return None if r is None else StoredBatch(r.response, int(r.step), r.digest)
+
+
+def replay_of(
+    conn: Connection, run: str, batch_id: str, digest: str | None
+) -> dict[str, Any] | None:
+    """The stored answer if ``batch_id`` is known and its content is the same, None if the id
+    is new; `BatchConflict` if the id is known with another digest. A stored NULL digest (a row
+    from before migration 0004) or no ``digest`` to compare counts as the same content."""
+    found = find_batch(conn, run, batch_id)
+    if found is None:
+        return None
+    if digest is not None and found.digest is not None and found.digest != digest:
+        raise BatchConflict(run, batch_id, found.step)
+    return found.response
 
 
 def touch_run(
     conn: Connection, run: str, step: int, ts: float, tags: dict[str, str] | None
 ) -> None:
-    cur = conn.execute(select(_runs.c.last_step, _runs.c.tags).where(_runs.c.id == run)).first()
+    """Create the run or update its bookkeeping: last step, merged tags (at most `MAX_TAGS`,
+    else `InputError` and the transaction rolls back) and re-opening a finished run."""
+    cur = conn.execute(
+        select(_runs.c.last_step, _runs.c.tags, _runs.c.finished_at).where(_runs.c.id == run)
+    ).first()
     if cur is None:
+        check_tag_count(tags or {}, run)
         conn.execute(
             insert(_runs).values(
                 id=run, first_seen=ts, last_seen=ts, last_step=step, tags=tags or {}
@@ -87,8 +128,38 @@ def touch_run(
     if cur.last_step is None or step > cur.last_step:
         values["last_step"] = step
     if tags:
-        values["tags"] = {**(cur.tags or {}), **tags}
+        merged = {**(cur.tags or {}), **tags}
+        check_tag_count(merged, run)
+        values["tags"] = merged
+    if cur.finished_at is not None:
+        values["finished_at"] = None
+        conn.execute(
+            insert(_events).values(
+                run_id=run, ts=ts, kind="run_reopened", step=step,
+                message="a batch arrived after the run was finished",
+            )
+        )  # fmt: skip
     conn.execute(update(_runs).where(_runs.c.id == run).values(**values))
+
+
+def finish_run(conn: Connection, run: str, ts: float) -> tuple[float, bool] | None:
+    """Mark ``run`` finished at ``ts`` (event ``run_finished``). Returns ``(finished_at,
+    newly)``: an already finished run keeps its first time and gets no second event; None for
+    an unknown run."""
+    cur = conn.execute(
+        select(_runs.c.finished_at, _runs.c.last_step).where(_runs.c.id == run)
+    ).first()
+    if cur is None:
+        return None
+    if cur.finished_at is not None:
+        return float(cur.finished_at), False
+    conn.execute(update(_runs).where(_runs.c.id == run).values(finished_at=ts))
+    conn.execute(
+        insert(_events).values(
+            run_id=run, ts=ts, kind="run_finished", step=cur.last_step, message=""
+        )
+    )
+    return ts, True
 
 
 def write_batch_events(conn: Connection, run: str, step: int, ts: float, acc: Any) -> None:
@@ -149,3 +220,41 @@ def write_step_row(
             .where((_details.c.run_id == run) & (_details.c.step == step))
             .values(**detail)
         )
+
+
+def write_new_batch(
+    conn: Connection,
+    run: str,
+    *,
+    step: int,
+    batch_id: str | None,
+    acc: Accumulator,
+    tokens: int,
+    respond: Callable[[dict[str, Any]], dict[str, Any]],
+    tags: dict[str, str] | None,
+    ts: float,
+    digest: str | None,
+    sqlite: bool,
+) -> tuple[dict[str, Any], Accumulator]:
+    """Everything a new batch writes (run, step row, details, series, events, the batch row
+    with its answer and digest); returns ``(answer, merged step accumulator)``."""
+    touch_run(conn, run, step, ts, tags)
+    prev = lock_step_state(conn, run, step, sqlite)
+    merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
+    row = derive_row(merged).to_dict()
+    write_step_row(conn, run, step, ts, merged, row, new=prev is None)
+    write_series(conn, run, step, step_columns(merged, row), lock=not sqlite)
+    write_batch_events(conn, run, step, ts, acc)
+    answer = respond(row)
+    conn.execute(
+        insert(_batches).values(
+            run_id=run,
+            batch_id=batch_id if batch_id is not None else f"~{uuid.uuid4()}",
+            step=step,
+            received_at=ts,
+            tokens=tokens,
+            response=answer,
+            digest=digest,
+        )
+    )
+    return answer, merged

@@ -1,22 +1,38 @@
-"""``POST /v1/runs/{run}/batches``: the HTTP side of `timwatch.monitor.service.ingest`."""
+"""``POST /v1/runs/{run}/batches`` (the HTTP side of `timwatch.monitor.service.ingest`) and
+``POST /v1/runs/{run}/finish`` (the end of a run). Both need the write token when one is set."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from timwatch.monitor.core.errors import ApiError
+from timwatch.monitor.core.runid import check_run_id
+from timwatch.monitor.core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
 from timwatch.monitor.service import openapi_examples as ex
 from timwatch.monitor.service.deps import RunsDep, SettingsDep, StoreDep, read_body, require_write
-from timwatch.monitor.service.ingest import check_run, ingest_batch
+from timwatch.monitor.service.ingest import (
+    TAP_DROPPED_HEADER,
+    check_run,
+    check_tags,
+    ingest_batch,
+    parse_tap_dropped,
+)
 from timwatch.monitor.service.params import policy_names
 from timwatch.monitor.service.responses import json_response
 
 __all__ = ["router"]
 
 router = APIRouter()
+
+TAG_DESCRIPTION = (
+    f"key=value tags for the run (repeatable): at most {MAX_TAGS} per run, keys of 1-{MAX_TAG_KEY} "
+    f"characters [A-Za-z0-9_.:-], values of at most {MAX_TAG_VALUE} characters without control "
+    "characters"
+)
 
 
 @router.post(
@@ -35,14 +51,41 @@ async def ingest(
     store: StoreDep,
     runs: RunsDep,
     masks: Annotated[str | None, Query(description="policies (comma-separated) or 'all'")] = None,
-    tag: Annotated[list[str] | None, Query(description="key=value tags for the run")] = None,
+    tag: Annotated[list[str] | None, Query(description=TAG_DESCRIPTION)] = None,
+    tap_dropped_header: Annotated[
+        str | None,
+        Header(
+            alias=TAP_DROPPED_HEADER,
+            description="batches the sending tap dropped since its last accepted post "
+            "(integer 0 to 2^31; adds to timwatch_tap_dropped_batches_total)",
+        ),
+    ] = None,
 ) -> Response:
     check_run(run)  # before the body is read: a bad id costs no upload
     wanted = policy_names(masks)
-    tags = {k: v for k, _, v in (t.partition("=") for t in tag or [])}
+    tags = check_tags(tag or [])
+    tap_dropped = parse_tap_dropped(tap_dropped_header)
     body = await read_body(request, settings.max_body, "too_large")
     answer = await run_in_threadpool(
         ingest_batch, store, runs, run, body, request.headers.get("content-type", ""),
         params=settings.params, nonfinite=settings.nonfinite, masks=wanted, tags=tags,
+        tap_dropped=tap_dropped,
     )  # fmt: skip
     return json_response(answer)
+
+
+@router.post(
+    "/v1/runs/{run}/finish",
+    tags=["ingest"],
+    summary="Mark a run finished",
+    description=ex.FINISH_DESCRIPTION,
+    responses=ex.FINISH_RESPONSES,
+    dependencies=[Depends(require_write)],
+)
+async def finish(run: str, store: StoreDep, runs: RunsDep) -> Response:
+    found = None if check_run_id(run) else await run_in_threadpool(store.finish_run, run)
+    if found is None:
+        raise ApiError(404, f"run {run[:200]!r} not found")
+    finished_at, newly = found
+    runs.finish(run)
+    return json_response({"run": run, "finished_at": finished_at, "already_finished": not newly})
