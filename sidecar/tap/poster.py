@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["Answer", "Poster"]
+__all__ = ["Answer", "Poster", "post_finish"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +89,16 @@ class Poster:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def post_finish(base_url: str, headers: dict[str, str], run: str, timeout: float) -> str | None:
+    """POST ``/v1/runs/{run}/finish`` on a connection of its own; None if the monitor accepted
+    it, else what went wrong (an HTTP status or a network error). Never raises `OSError`."""
+    poster = Poster(base_url, headers, timeout)
+    try:
+        resp = poster.post(f"/v1/runs/{run}/finish", b"")
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        poster.close()
+    return None if resp.status < 300 else f"HTTP {resp.status}: {resp.text[:300]}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["DropLog", "DropQueue", "Item"]
@@ -32,6 +32,7 @@ class Item:
     arrays: dict[str, Any]
     nbytes: int  # host bytes of the snapshots
     event: Any = None  # torch.cuda.Event guarding pinned copies
+    buffers: list[Any] = field(default_factory=list)  # `BufferPool` buffers the copies live in
 
 
 class DropQueue:

@@ -1,25 +1,20 @@
 """The trainer tap: `Tap(url, run).report(step, ...)` ships batches without stalling training.
 
-The training loop pays only for a snapshot of its arrays (`timwatch.sidecar.tap.snapshot`: one
-copy per array, no validation, no encoding, no hashing) and a deque append under a lock that the
-shipper thread never holds while it encodes or posts. Everything else happens in one daemon
-thread: it converts bf16/fp16 to float32, validates with `core.batch.Batch` (a malformed batch
-is counted as ``invalid`` and logged once, never sent), derives the batch id from the content
-(`timwatch.sidecar.tap.wire`), and POSTs safetensors to ``{url}/v1/runs/{run}/batches``.
-Connection errors, timeouts and 5xx answers are retried with exponential backoff
-(``Retry-After`` honoured) and the same body; 4xx answers are never retried (``refused``).
+The training loop pays for a snapshot of its arrays (`timwatch.sidecar.tap.snapshot`: one copy
+per array into a reused buffer; no validation, encoding or hashing) and a deque append under a
+lock the shipper thread never holds while it encodes or posts. One daemon thread does the rest:
+bf16/fp16 to float32, validation with `core.batch.Batch` (a malformed batch is counted as
+``invalid`` and logged once), the content-derived batch id (`timwatch.sidecar.tap.wire`), and a
+safetensors POST to ``{url}/v1/runs/{run}/batches``, retried with backoff on connection errors,
+timeouts and 5xx (``Retry-After`` honoured) with the same body; 4xx is never retried.
 
-The queue is bounded by ``queue_size`` batches and ``max_queue_bytes`` of snapshots: when the
-monitor is slower than the trainer, or down, the oldest batches are dropped so memory stays
-bounded and the newest data wins; a batch larger than the whole budget is dropped at once.
-Drops are logged (at most one warning per ``drop_log_s`` with the count since the previous one)
-and reported: the next batch POST carries ``Timwatch-Tap-Dropped: N``, the batches this tap lost
-(dropped, or given up after retries) since the monitor last accepted one of its POSTs, and the
-monitor adds N to ``timwatch_tap_dropped_batches_total{run}``. N is kept until a 2xx answer
-counts it (a first attempt answered as a replay did not count it, so N stays for the next one).
-
-`close()` flushes, then POSTs ``/v1/runs/{run}/finish`` (``finish=False`` to keep the run
-open); a failed finish is logged, never raised.
+The queue is bounded by ``queue_size`` batches and ``max_queue_bytes`` of copies: the oldest
+are dropped when the monitor is slower than the trainer or down, and a batch larger than the
+whole budget is dropped at once. Drops are logged (at most one warning per ``drop_log_s``) and
+reported: the next batch POST carries ``Timwatch-Tap-Dropped: N``, the batches this tap lost
+(dropped, or given up after retries) since the monitor last counted them; N is kept until a 2xx
+answer that counted it (a first attempt answered as a replay did not). `close()` flushes, then
+POSTs ``/v1/runs/{run}/finish`` unless ``finish=False``; a failed finish is logged, never raised.
 """
 
 from __future__ import annotations
@@ -36,7 +31,8 @@ from typing import Any
 import safetensors.numpy  # noqa: F401 - imported now: a shipper importing at exit fails
 
 from timwatch.monitor.core.batch import Batch, BatchError
-from timwatch.sidecar.tap.poster import Poster
+from timwatch.sidecar.tap.pool import BufferPool
+from timwatch.sidecar.tap.poster import Poster, post_finish
 from timwatch.sidecar.tap.queue import DropLog, DropQueue, Item
 from timwatch.sidecar.tap.snapshot import detect_rank, nbytes_of, snapshot, snapshot_bytes, to_numpy
 from timwatch.sidecar.tap.wire import Body, batch_id_for, encode
@@ -102,6 +98,7 @@ class Tap:
         if not run:
             raise ValueError("run must be a non-empty string")
         self._queue = DropQueue(queue_size, max_queue_bytes)
+        self._pool = BufferPool(max_queue_bytes // 4)
         self.url = url.rstrip("/")
         self.run = run
         self.rank = detect_rank() if rank is None else int(rank)
@@ -175,10 +172,13 @@ class Tap:
                 self._dropped(1, oversized=True)  # too large for the whole queue: not copied
                 return False
             arrays: dict[str, Any] = {}
+            buffers = []
             device = None
             for name, value in present.items():
-                arrays[name], dev = snapshot(value)
+                arrays[name], dev, buf = snapshot(value, self._pool)
                 device = device or dev
+                if buf is not None:
+                    buffers.append(buf)
             event = None
             if device is not None:
                 import torch
@@ -187,7 +187,7 @@ class Tap:
                 event.record(torch.cuda.current_stream(device))
             nbytes = sum(snapshot_bytes(v) for v in arrays.values())
             meta = {"policy_version": policy_version, "entropy_source": entropy_source}
-            item = Item(int(step), batch_id, meta, arrays, nbytes, event)
+            item = Item(int(step), batch_id, meta, arrays, nbytes, event, buffers)
             with self._cond:
                 if self._closed:
                     return False
@@ -196,7 +196,9 @@ class Tap:
                 if queued:
                     self._stats.reported += 1
                     self._cond.notify()
-            if evicted:  # freed when this frame ends, outside the lock
+            if evicted:  # outside the lock: nothing reads these copies any more
+                for old in evicted:
+                    self._pool.give(old.buffers)
                 self._dropped(len(evicted), oversized=not queued)
             return queued
         except Exception as exc:  # noqa: BLE001 - the tap must never break training
@@ -273,14 +275,8 @@ class Tap:
         return done
 
     def _finish(self) -> None:
-        poster = Poster(self.url, self._headers, min(self._timeout, _FINISH_TIMEOUT_S))
-        try:
-            resp = poster.post(f"/v1/runs/{self.run}/finish", b"")
-            problem = None if resp.status < 300 else f"HTTP {resp.status}: {resp.text[:300]}"
-        except OSError as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        finally:
-            poster.close()
+        timeout = min(self._timeout, _FINISH_TIMEOUT_S)
+        problem = post_finish(self.url, self._headers, self.run, timeout)
         self._stats.finished = problem is None
         if problem is not None:
             log.warning("timwatch tap: could not finish run %s: %s", self.run, problem)
@@ -315,11 +311,14 @@ class Tap:
             try:
                 self._ship(item)
             except Exception as exc:  # noqa: BLE001 - keep shipping whatever happens
+                item.buffers.clear()  # a logged traceback may keep the body: not reused
                 self._gave_up()
                 self._stats.last_error = f"ship: {type(exc).__name__}: {exc}"
-                self._log_once("ship-error", "timwatch tap: shipping failed: %s", exc)
+                self._log_once("ship-error", "timwatch tap: shipping failed: %s", str(exc))
             finally:
-                del item  # free the snapshots before waiting for the next one
+                item.arrays.clear()  # _ship's body and batch are gone by now: reuse the buffers
+                self._pool.give(item.buffers)
+                del item
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
@@ -338,7 +337,9 @@ class Tap:
         except BatchError as exc:
             self._stats.invalid += 1
             self._stats.last_error = f"invalid batch at step {item.step}: {exc}"
-            self._log_once("invalid", "timwatch tap: batch of step %s not sent: %s", item.step, exc)
+            self._log_once(
+                "invalid", "timwatch tap: batch of step %s not sent: %s", item.step, str(exc)
+            )
             return None
         batch_id = item.batch_id or batch_id_for(self.id_prefix, batch)
         body, length = encode(batch, batch_id)

@@ -1,8 +1,9 @@
 """What `Tap.report()` does on the training thread: one copy per array, nothing else.
 
 Invariants:
-- `snapshot` makes at most one copy of a value (one memcpy for a contiguous array) and never
-  validates, converts dtypes or hashes; after it returns the caller may mutate or free its value.
+- `snapshot` makes at most one copy of a value (one memcpy for a contiguous array, into a spare
+  `BufferPool` buffer when one fits) and never validates, converts dtypes or hashes; after it
+  returns the caller may mutate or free its value.
 - A CPU torch tensor is copied through numpy (``np.array`` of its ``.numpy()`` view, bf16 as its
   raw 16-bit words): torch's own ``clone`` runs on its intra-op thread pool, which on a busy host
   costs tens of milliseconds instead of one memcpy.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from timwatch.sidecar.tap.pool import BufferPool
 
 __all__ = ["Bf16Words", "detect_rank", "nbytes_of", "snapshot", "snapshot_bytes", "to_numpy"]
 
@@ -48,25 +51,34 @@ def nbytes_of(value: Any) -> int | None:
     return None
 
 
-def snapshot(value: Any) -> tuple[Any, Any]:
-    """A copy of `value` the trainer cannot change any more: (copy, cuda_device_or_None)."""
+def snapshot(value: Any, pool: BufferPool) -> tuple[Any, Any, np.ndarray | None]:
+    """A copy of `value` the trainer cannot change any more: (copy, cuda_device_or_None,
+    the `pool` buffer the copy lives in or None)."""
     if not _is_torch(value):
-        return np.array(value, copy=True), None
+        if isinstance(value, np.ndarray):
+            return _pooled(value, pool)
+        return np.array(value, copy=True), None, None
     tensor = value.detach()
     if tensor.is_cuda:
         import torch
 
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
-        return host, tensor.device
+        return host, tensor.device, None
     try:
         if str(tensor.dtype) == "torch.bfloat16":
             import torch
 
-            return Bf16Words(np.array(tensor.view(torch.int16).numpy().view(np.uint16))), None
-        return np.array(tensor.numpy(), copy=True), None
+            words, buf = pool.copy(tensor.view(torch.int16).numpy().view(np.uint16))
+            return Bf16Words(words), None, buf
+        return _pooled(tensor.numpy(), pool)
     except (TypeError, RuntimeError):  # a dtype or layout numpy cannot view: torch copies it
-        return tensor.clone(), None
+        return tensor.clone(), None, None
+
+
+def _pooled(arr: np.ndarray, pool: BufferPool) -> tuple[np.ndarray, None, np.ndarray | None]:
+    copy, buf = pool.copy(arr)
+    return copy, None, buf
 
 
 def snapshot_bytes(value: Any) -> int:

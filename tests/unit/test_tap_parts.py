@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tests.helpers.batches import random_batch
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.digest import batch_digest
+from timwatch.sidecar.tap.pool import MIN_POOLED, BufferPool
 from timwatch.sidecar.tap.queue import DropLog, DropQueue, Item
 from timwatch.sidecar.tap.snapshot import nbytes_of, snapshot, snapshot_bytes, to_numpy
 from timwatch.sidecar.tap.wire import batch_id_for, encode
@@ -64,8 +65,9 @@ def test_a_snapshot_is_a_copy_with_the_trainers_values() -> None:
         (-np.arange(10, dtype=np.float16)),
         [0.0, -1.0, -2.0],
     ]
+    pool = BufferPool(2**20)
     for value in cases:
-        copy, device = snapshot(value)
+        copy, device, _buf = snapshot(value, pool)
         assert device is None
         got = to_numpy(copy)
         assert np.array_equal(got, widened(value))
@@ -77,6 +79,25 @@ def test_a_snapshot_is_a_copy_with_the_trainers_values() -> None:
             with torch.no_grad():
                 value[...] = 0
             assert np.array_equal(to_numpy(copy), before)
+
+
+def test_pooled_copies_reuse_given_back_buffers_and_stay_bounded() -> None:
+    pool = BufferPool(3 * MIN_POOLED)
+    src = np.arange(MIN_POOLED // 4, dtype=np.float32)  # exactly MIN_POOLED bytes
+    a, buf_a = pool.copy(src)
+    assert buf_a is not None and np.array_equal(a, src) and a.dtype == src.dtype
+    b, buf_b = pool.copy(src[::-1])  # no free buffer yet: a new one
+    assert buf_b is not None and buf_b is not buf_a and np.array_equal(b, src[::-1])
+    pool.give([buf_a])
+    c, buf_c = pool.copy(src + 1)  # the given-back buffer, with the new values
+    assert buf_c is buf_a and np.array_equal(c, src + 1)
+    assert np.array_equal(b, src[::-1])  # a buffer still owned is never handed out
+    small, none = pool.copy(src[:10])
+    assert none is None and np.array_equal(small, src[:10])  # small arrays are not pooled
+    pool.give([buf_b, buf_c, np.empty(2 * MIN_POOLED, np.uint8)])
+    assert pool.free_bytes <= 3 * MIN_POOLED  # what does not fit is freed
+    again, taken = pool.copy(np.zeros(MIN_POOLED // 8, np.float64))
+    assert taken is not None and taken.nbytes <= 2 * again.nbytes + 4096
 
 
 def item(nbytes: int, step: int = 0) -> Item:
