@@ -163,3 +163,36 @@ def test_drop_warnings_are_rate_limited_and_none_is_lost(
     warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(warned) == 2 and "dropped 4 batch" in warned[1]  # the rest, at close
     assert "5 dropped in all" in warned[1]
+
+
+def test_reused_copy_buffers_never_change_a_batch_that_is_still_queued(stand_in: StandIn) -> None:
+    big = 100_000  # 400 kB float32 arrays: copied into pooled buffers
+
+    def large(seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return {
+            "cu_seqlens": np.array([0, big // 2, big], np.int64),
+            "logp_rollout": -rng.random(big, np.float32),
+            "logp_train": -rng.random(big, np.float32),
+            "entropy": rng.random(big, np.float32),
+            "loss_mask": (rng.random(big) < 0.9).astype(np.int8),
+            "token_ids": rng.integers(0, 50_000, big),
+        }
+
+    stand_in.gate.clear()
+    tap = tap_of(stand_in.url, queue_size=2)
+    tap.report(0, **large(0))
+    until_in_flight(tap)
+    for step in range(1, 8):  # each report reuses the buffers of the batch it displaced
+        tap.report(step, **large(step))
+    stand_in.gate.set()
+    assert tap.flush(10)
+    for step in range(8, 12):  # shipped batches give their buffers back too
+        tap.report(step, **large(step))
+        assert tap.flush(10)
+    assert tap.close(10)
+    got = {r["batch"].step: r["batch"] for r in stand_in.batches()}
+    assert sorted(got) == [0, 6, 7, 8, 9, 10, 11]
+    for step, batch in got.items():
+        for name, value in large(step).items():
+            assert np.array_equal(batch.arrays()[name], value), (step, name)
