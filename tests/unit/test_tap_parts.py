@@ -81,6 +81,16 @@ def test_a_snapshot_is_a_copy_with_the_trainers_values() -> None:
             assert np.array_equal(to_numpy(copy), before)
 
 
+def test_host_tensors_the_shipper_converts_keep_their_values() -> None:
+    """Pinned copies of CUDA tensors (and tensors numpy cannot view) reach `to_numpy` as torch
+    tensors: bf16 and fp16 become float32 exactly as ``.float()`` does, without torch kernels."""
+    base = torch.linspace(-5, 0, 1000)
+    for t in (base.bfloat16(), base.half(), base, torch.arange(7), torch.ones(5, dtype=torch.bool)):
+        got = to_numpy(t)
+        want = t.float().numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
 def test_pooled_copies_reuse_given_back_buffers_and_stay_bounded() -> None:
     pool = BufferPool(3 * MIN_POOLED)
     src = np.arange(MIN_POOLED // 4, dtype=np.float32)  # exactly MIN_POOLED bytes
