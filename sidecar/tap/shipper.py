@@ -28,8 +28,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import safetensors.numpy  # noqa: F401 - imported now: a shipper importing at exit fails
-
 from timwatch.monitor.core.batch import Batch, BatchError
 from timwatch.sidecar.tap.pool import BufferPool
 from timwatch.sidecar.tap.poster import Poster, post_finish
