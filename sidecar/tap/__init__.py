@@ -1,6 +1,8 @@
 """The trainer tap: a non-blocking, bounded queue that ships each step's packed μ, π and H to
-`timwatch serve` from a daemon thread. Importing it loads numpy and safetensors, never
-httpx, numba, FastAPI or torch (it posts over the standard library's ``http.client``)."""
+`timwatch serve` from a daemon thread. Importing it loads numpy, never safetensors, httpx,
+numba, FastAPI or torch: it writes the safetensors body itself (`wire`) and posts over the
+standard library's ``http.client``. Everything the shipper thread needs is imported up front:
+an import from a daemon thread during interpreter shutdown fails."""
 
 from timwatch.sidecar.tap.shipper import Tap, TapStats
 

@@ -5,10 +5,13 @@ library only, so that importing the tap costs a trainer almost nothing (httpx al
 from __future__ import annotations
 
 import http.client
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["Answer", "Poster"]
+__all__ = ["Answer", "Poster", "post_finish"]
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,23 @@ class Answer:
     status: int
     headers: dict[str, str]  # lower-case names
     text: str
+
+    @property
+    def replayed(self) -> bool:
+        """Whether an ingest answer says ``"replayed": true`` (the monitor counted nothing)."""
+        try:
+            answer = json.loads(self.text)
+        except ValueError:
+            return False
+        return isinstance(answer, dict) and answer.get("replayed") is True
+
+    @property
+    def retry_after(self) -> float | None:
+        """``Retry-After`` in seconds, if the answer has a numeric one."""
+        try:
+            return max(0.0, float(self.headers.get("retry-after", "")))
+        except ValueError:
+            return None
 
 
 class Poster:
@@ -40,10 +60,20 @@ class Poster:
             self._conn = cls(self._host, self._port, timeout=self._timeout)
         return self._conn
 
-    def post(self, path: str, body: bytes) -> Answer:
+    def post(
+        self, path: str, body: bytes | Sequence[Any], headers: dict[str, str] | None = None
+    ) -> Answer:
+        """POST `body` (bytes, or buffers sent one after the other without joining them) with
+        the constructor's headers updated by `headers`."""
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            parts: Sequence[Any] = [body]
+        else:
+            parts = body
+        length = sum(memoryview(p).nbytes for p in parts)
+        sent = {**self._headers, **(headers or {}), "Content-Length": str(length)}
         conn = self._connection()
         try:
-            conn.request("POST", self._prefix + path, body=body, headers=self._headers)
+            conn.request("POST", self._prefix + path, body=iter(parts), headers=sent)
             resp = conn.getresponse()
             text = resp.read().decode("utf-8", "replace")
         except (OSError, http.client.HTTPException) as exc:
@@ -59,3 +89,16 @@ class Poster:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def post_finish(base_url: str, headers: dict[str, str], run: str, timeout: float) -> str | None:
+    """POST ``/v1/runs/{run}/finish`` on a connection of its own; None if the monitor accepted
+    it, else what went wrong (an HTTP status or a network error). Never raises `OSError`."""
+    poster = Poster(base_url, headers, timeout)
+    try:
+        resp = poster.post(f"/v1/runs/{run}/finish", b"")
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        poster.close()
+    return None if resp.status < 300 else f"HTTP {resp.status}: {resp.text[:300]}"

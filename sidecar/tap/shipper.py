@@ -1,136 +1,78 @@
 """The trainer tap: `Tap(url, run).report(step, ...)` ships batches without stalling training.
 
-The training loop pays only for a snapshot of its arrays; everything else happens in one daemon
-thread. On the calling thread:
+The training loop pays for a snapshot of its arrays (`timwatch.sidecar.tap.snapshot`: one copy
+per array into a reused buffer; no validation, encoding or hashing) and a deque append under a
+lock the shipper thread never holds while it encodes or posts. One daemon thread does the rest:
+bf16/fp16 to float32, validation with `core.batch.Batch` (a malformed batch is counted as
+``invalid`` and logged once), the content-derived batch id (`timwatch.sidecar.tap.wire`), and a
+safetensors POST to ``{url}/v1/runs/{run}/batches``, retried with backoff on connection errors,
+timeouts and 5xx (``Retry-After`` honoured) with the same body; 4xx is never retried.
 
-* a CUDA tensor is copied with ``non_blocking=True`` into pinned host memory (PyTorch's caching
-  host allocator makes the allocation cheap after the first steps) and one CUDA event is recorded
-  on the current stream. Kernels the trainer launches later on that stream run after the copy, so
-  mutating or freeing the tensor afterwards is safe; the shipper waits on the event, not the
-  trainer.
-* a CPU tensor or numpy array is copied (``clone`` / ``np.array``): the trainer may reuse its
-  buffers in place the moment `report` returns.
-
-The shipper converts bf16/fp16 to float32, validates with `core.batch.Batch` (a malformed
-batch is counted as ``invalid`` and logged once, never sent), serialises to safetensors and POSTs
-to ``{url}/v1/runs/{run}/batches``. Connection errors, timeouts and 5xx answers are retried with
-exponential backoff (``Retry-After`` honoured); 4xx answers are never retried (``refused``). The
-queue is bounded: when the monitor is slower than the trainer the oldest batch is dropped and
-counted, so memory stays bounded and the newest data wins.
-
-Each batch gets a deterministic id ``tap-r{rank}-s{step}-m{k}`` (k counts reports of that step in
-this process), so a retried POST is answered from the server's store instead of counted twice.
+The queue is bounded by ``queue_size`` batches and ``max_queue_bytes`` of copies: the oldest
+are dropped when the monitor is slower than the trainer or down, and a batch larger than the
+whole budget is dropped at once. Drops are logged (at most one warning per ``drop_log_s``) and
+reported: the next batch POST carries ``Timwatch-Tap-Dropped: N``, the batches this tap lost
+(dropped, or given up after retries) since the monitor last counted them; N is kept until a 2xx
+answer that counted it (a first attempt answered as a replay did not). `close()` flushes, then
+POSTs ``/v1/runs/{run}/finish`` unless ``finish=False``; a failed finish is logged, never raised.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
 import random
-import sys
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import safetensors.numpy  # noqa: F401 - imported now: a shipper importing at exit fails
-
 from timwatch.monitor.core.batch import Batch, BatchError
-from timwatch.sidecar.tap.poster import Poster
+from timwatch.sidecar.tap.pool import BufferPool
+from timwatch.sidecar.tap.poster import Poster, post_finish
+from timwatch.sidecar.tap.queue import DropLog, DropQueue, Item
+from timwatch.sidecar.tap.snapshot import detect_rank, nbytes_of, snapshot, snapshot_bytes, to_numpy
+from timwatch.sidecar.tap.wire import Body, batch_id_for, encode
 
-__all__ = ["Tap", "TapStats"]
+__all__ = ["DROPPED_HEADER", "Tap", "TapStats"]
 
 log = logging.getLogger("timwatch.tap")
 
-_ARRAY_FIELDS = (
-    "cu_seqlens",
-    "logp_rollout",
-    "logp_train",
-    "entropy",
-    "loss_mask",
-    "token_ids",
-    "token_ids_train",
-    "versions",
-    "logp_old",
-    "logp_teacher",
-)
 SAFETENSORS = "application/x-safetensors"
+#: header of a batch POST: batches this tap lost since the monitor last accepted a POST of it
+DROPPED_HEADER = "Timwatch-Tap-Dropped"
+_HEADER_MAX = 2**31
+_FINISH_TIMEOUT_S = 5.0
 
 
 @dataclass
 class TapStats:
-    """Counters of one tap; `Tap.stats()` returns them as a dict with the queue depth."""
+    """Counters of one tap; `Tap.stats()` returns them as a dict with the queue's state."""
 
     reported: int = 0  # report() calls that enqueued a batch
     sent: int = 0  # batches the monitor accepted (2xx)
-    dropped: int = 0  # oldest batches dropped because the queue was full
+    dropped: int = 0  # batches dropped from the queue (oldest first) or too large to queue
+    oversized: int = 0  # of `dropped`: single batches larger than max_queue_bytes
     refused: int = 0  # 4xx answers (never retried)
     invalid: int = 0  # failed local validation, never sent
     failed: int = 0  # gave up after max_retries (or at close)
     retries: int = 0  # retried attempts
     errors: int = 0  # exceptions swallowed inside report()
+    unreported_drops: int = 0  # dropped + failed not yet counted by the monitor (the header)
+    finished: bool | None = None  # the finish POST of close(): None = not sent
     last_error: str | None = None
     refused_statuses: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Item:
-    step: int
-    batch_id: str
-    meta: dict[str, Any]
-    arrays: dict[str, Any]  # numpy arrays or host torch tensors
-    event: Any = None  # torch.cuda.Event guarding pinned copies
-
-
-def _detect_rank() -> int:
-    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        value = os.environ.get(var)
-        if value is not None and value.isdigit():
-            return int(value)
-    torch = sys.modules.get("torch")  # never import torch here: the tap works without it
-    if torch is not None:
-        dist = getattr(torch, "distributed", None)
-        try:
-            if dist is not None and dist.is_available() and dist.is_initialized():
-                return int(dist.get_rank())
-        except Exception:  # noqa: BLE001 - rank detection must not fail the tap
-            pass
-    return 0
-
-
-def _snapshot(value: Any) -> tuple[Any, Any]:
-    """A copy of `value` that the trainer cannot change any more; (copy, cuda_event_or_None)."""
-    if hasattr(value, "detach") and hasattr(value, "is_cuda"):  # torch, without importing it
-        tensor = value.detach()
-        if tensor.is_cuda:
-            import torch
-
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            return host, tensor.device
-        return tensor.clone(), None
-    return np.array(value, copy=True), None
-
-
-def _to_numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "detach"):
-        if str(value.dtype) in ("torch.bfloat16", "torch.float16"):
-            value = value.float()
-        return np.asarray(value.numpy())
-    return np.asarray(value)
 
 
 class Tap:
     """Non-blocking reporter of packed batches to a timwatch service (see the module doc).
 
-    ``queue_size`` bounds the batches waiting to ship; ``timeout`` is the per-request HTTP
-    timeout; a batch is retried up to ``max_retries`` times with backoff from ``backoff_s``
-    doubling to ``max_backoff_s``. ``rank`` defaults to ``RANK`` (or torch.distributed's rank);
-    generated batch ids are ``{id_prefix}-s{step}-m{k}`` with ``id_prefix`` ``tap-r{rank}``.
+    ``queue_size`` and ``max_queue_bytes`` bound the batches waiting to ship; ``timeout`` is the
+    per-request HTTP timeout; a batch is retried up to ``max_retries`` times with backoff from
+    ``backoff_s`` doubling to ``max_backoff_s``. ``rank`` defaults to ``RANK`` (or
+    torch.distributed's rank); generated batch ids are ``{id_prefix}-s{step}-{digest[:24]}``
+    with ``id_prefix`` ``tap-r{rank}``. ``finish``: `close()` marks the run finished.
     """
 
     def __init__(
@@ -140,6 +82,7 @@ class Tap:
         token: str | None = None,
         *,
         queue_size: int = 64,
+        max_queue_bytes: int = 256 * 2**20,
         timeout: float = 30.0,
         max_retries: int = 8,
         backoff_s: float = 0.1,
@@ -147,31 +90,34 @@ class Tap:
         rank: int | None = None,
         id_prefix: str | None = None,
         flush_at_exit_s: float = 10.0,
+        finish: bool = True,
+        drop_log_s: float = 30.0,
     ) -> None:
-        if queue_size < 1:
-            raise ValueError(f"queue_size must be ≥ 1, got {queue_size}")
         if not run:
             raise ValueError("run must be a non-empty string")
+        self._queue = DropQueue(queue_size, max_queue_bytes)
+        self._pool = BufferPool(max_queue_bytes // 4)
         self.url = url.rstrip("/")
         self.run = run
-        self.rank = _detect_rank() if rank is None else int(rank)
+        self.rank = detect_rank() if rank is None else int(rank)
         self.id_prefix = id_prefix or f"tap-r{self.rank}"
         self.queue_size = queue_size
+        self.max_queue_bytes = max_queue_bytes
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self._counts: dict[int, int] = {}
-        self._queue: deque[_Item] = deque()
+        self.finish = finish
         self._cond = threading.Condition()
         self._busy = 0  # items taken by the shipper and not finished
         self._closed = False
+        self._touched = False  # report() was called: close() may finish the run
         self._stop = threading.Event()
         self._stats = TapStats()
+        self._drops = DropLog(drop_log_s)
         self._logged: set[str] = set()
-        headers = {"Content-Type": SAFETENSORS}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self._http = Poster(self.url, headers, timeout)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+        self._http = Poster(self.url, self._headers, timeout)
         self._thread = threading.Thread(target=self._ship_loop, name="timwatch-tap", daemon=True)
         self._thread.start()
         self._flush_at_exit_s = flush_at_exit_s
@@ -199,7 +145,9 @@ class Tap:
         batch_id: str | None = None,
         entropy_source: str = "trainer",
     ) -> bool:
-        """Snapshot the arrays and enqueue them; True if queued. Never raises."""
+        """Snapshot the arrays and enqueue them; True if queued. Never raises.
+
+        Costs one copy per array: no validation, encoding or hashing happens here."""
         try:
             given = {
                 "cu_seqlens": cu_seqlens,
@@ -213,49 +161,81 @@ class Tap:
                 "logp_old": logp_old,
                 "logp_teacher": logp_teacher,
             }
+            present = {k: v for k, v in given.items() if v is not None}
+            self._touched = True
+            if self._closed:
+                return False
+            known = [nbytes_of(v) for v in present.values()]
+            if None not in known and sum(known) > self.max_queue_bytes:  # type: ignore[arg-type]
+                self._dropped(1, oversized=True)  # too large for the whole queue: not copied
+                return False
             arrays: dict[str, Any] = {}
+            buffers = []
             device = None
-            for name, value in given.items():
-                if value is not None:
-                    arrays[name], dev = _snapshot(value)
-                    device = device or dev
+            for name, value in present.items():
+                arrays[name], dev, buf = snapshot(value, self._pool)
+                device = device or dev
+                if buf is not None:
+                    buffers.append(buf)
             event = None
             if device is not None:
                 import torch
 
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
-            step = int(step)
-            if batch_id is None:
-                k = self._counts.get(step, 0)
-                self._counts[step] = k + 1
-                if len(self._counts) > 4096:  # steps long past; keep the map bounded
-                    del self._counts[next(iter(self._counts))]
-                batch_id = f"{self.id_prefix}-s{step}-m{k}"
+            nbytes = sum(snapshot_bytes(v) for v in arrays.values())
             meta = {"policy_version": policy_version, "entropy_source": entropy_source}
-            item = _Item(step, batch_id, meta, arrays, event)
+            item = Item(int(step), batch_id, meta, arrays, nbytes, event, buffers)
             with self._cond:
                 if self._closed:
                     return False
-                if len(self._queue) >= self.queue_size:
-                    self._queue.popleft()
-                    self._stats.dropped += 1
-                self._queue.append(item)
-                self._stats.reported += 1
-                self._cond.notify()
-            return True
+                evicted = self._queue.put(item)
+                queued = not evicted or evicted[-1] is not item
+                if queued:
+                    self._stats.reported += 1
+                    self._cond.notify()
+            if evicted:  # outside the lock: nothing reads these copies any more
+                for old in evicted:
+                    self._pool.give(old.buffers)
+                self._dropped(len(evicted), oversized=not queued)
+            return queued
         except Exception as exc:  # noqa: BLE001 - the tap must never break training
             self._stats.errors += 1
             self._stats.last_error = f"report: {type(exc).__name__}: {exc}"
             self._log_once("report-error", "timwatch tap.report failed: %s", exc)
             return False
 
+    def _dropped(self, n: int, oversized: bool) -> None:
+        """Count `n` dropped batches (one too large to queue if `oversized`) and maybe warn."""
+        with self._cond:
+            st = self._stats
+            st.dropped += n
+            st.oversized += int(oversized)
+            st.unreported_drops += n
+            to_log = self._drops.add(n)
+        if to_log:
+            self._warn_drops(to_log)
+
+    def _warn_drops(self, n: int) -> None:
+        log.warning(
+            "timwatch tap: dropped %d batch(es) of run %s (queue bound: %d batches / %d bytes; "
+            "the monitor at %s is down or slower than the trainer); %d dropped in all",
+            n,
+            self.run,
+            self.queue_size,
+            self.max_queue_bytes,
+            self.url,
+            self._stats.dropped,
+        )
+
     def stats(self) -> dict[str, Any]:
-        """Counters plus ``queue`` (waiting) and ``in_flight`` (being shipped)."""
+        """Counters plus ``queue`` (waiting), ``queue_bytes`` (their snapshots' bytes) and
+        ``in_flight`` (being shipped)."""
         with self._cond:
             out = dict(self._stats.__dict__)
             out["refused_statuses"] = dict(self._stats.refused_statuses)
             out["queue"] = len(self._queue)
+            out["queue_bytes"] = self._queue.nbytes
             out["in_flight"] = self._busy
         return out
 
@@ -263,15 +243,17 @@ class Tap:
         """Wait until every queued batch is shipped (or given up); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while len(self._queue) or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(left if left is not None else 0.5)
         return True
 
-    def close(self, timeout: float | None = 10.0) -> bool:
-        """Flush for up to `timeout` seconds, then stop the shipper; later reports are ignored."""
+    def close(self, timeout: float | None = 10.0, *, finish: bool | None = None) -> bool:
+        """Flush for up to `timeout` seconds, stop the shipper, then (``finish``, default the
+        constructor's, and only if `report` was ever called) POST the run's finish. Later
+        reports are ignored. True if everything queued was shipped or given up in time."""
         with self._cond:
             if self._closed:
                 return True
@@ -283,7 +265,19 @@ class Tap:
         self._thread.join(timeout=5.0)
         self._http.close()
         atexit.unregister(self._atexit)
+        unlogged = self._drops.take()
+        if unlogged:
+            self._warn_drops(unlogged)
+        if (self.finish if finish is None else finish) and self._touched:
+            self._finish()
         return done
+
+    def _finish(self) -> None:
+        timeout = min(self._timeout, _FINISH_TIMEOUT_S)
+        problem = post_finish(self.url, self._headers, self.run, timeout)
+        self._stats.finished = problem is None
+        if problem is not None:
+            log.warning("timwatch tap: could not finish run %s: %s", self.run, problem)
 
     def __enter__(self) -> Tap:
         return self
@@ -301,56 +295,79 @@ class Tap:
     def _ship_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stop.is_set():
+                while not len(self._queue) and not self._stop.is_set():
                     self._cond.wait()
-                if not self._queue:
+                if not len(self._queue):
                     return
                 if self._stop.is_set():  # closed and the flush timed out: give the rest up
-                    self._stats.failed += len(self._queue)
-                    self._queue.clear()
+                    given_up = self._queue.clear()
+                    self._stats.failed += len(given_up)
                     self._cond.notify_all()
                     return
-                item = self._queue.popleft()
+                item = self._queue.pop()
                 self._busy += 1
             try:
                 self._ship(item)
             except Exception as exc:  # noqa: BLE001 - keep shipping whatever happens
-                self._stats.failed += 1
+                item.buffers.clear()  # a logged traceback may keep the body: not reused
+                self._gave_up()
                 self._stats.last_error = f"ship: {type(exc).__name__}: {exc}"
-                self._log_once("ship-error", "timwatch tap: shipping failed: %s", exc)
+                self._log_once("ship-error", "timwatch tap: shipping failed: %s", str(exc))
             finally:
+                item.arrays.clear()  # _ship's body and batch are gone by now: reuse the buffers
+                self._pool.give(item.buffers)
+                del item
                 with self._cond:
                     self._busy -= 1
                     self._cond.notify_all()
 
-    def _encode(self, item: _Item) -> bytes | None:
+    def _gave_up(self) -> None:
+        with self._cond:
+            self._stats.failed += 1
+            self._stats.unreported_drops += 1
+
+    def _encode(self, item: Item) -> tuple[Body, int, str] | None:
         if item.event is not None:
             item.event.synchronize()
-        arrays: dict[str, Any] = {name: _to_numpy(v) for name, v in item.arrays.items()}
+        arrays: dict[str, Any] = {name: to_numpy(v) for name, v in item.arrays.items()}
         try:
             batch = Batch.from_arrays(step=item.step, batch_id=item.batch_id, **item.meta, **arrays)
         except BatchError as exc:
             self._stats.invalid += 1
             self._stats.last_error = f"invalid batch at step {item.step}: {exc}"
-            self._log_once("invalid", "timwatch tap: batch of step %s not sent: %s", item.step, exc)
+            self._log_once(
+                "invalid", "timwatch tap: batch of step %s not sent: %s", item.step, str(exc)
+            )
             return None
-        return batch.to_safetensors()
+        batch_id = item.batch_id or batch_id_for(self.id_prefix, batch)
+        body, length = encode(batch, batch_id)
+        return body, length, batch_id
 
-    def _ship(self, item: _Item) -> None:
-        body = self._encode(item)
-        if body is None:
+    def _ship(self, item: Item) -> None:
+        encoded = self._encode(item)
+        if encoded is None:
             return
+        body, _length, batch_id = encoded
         target = f"/v1/runs/{self.run}/batches"
         attempt = 0
         while True:
             wait: float | None = None
+            with self._cond:
+                lost = min(self._stats.unreported_drops, _HEADER_MAX)
+            headers = {"Content-Type": SAFETENSORS}
+            if lost:
+                headers[DROPPED_HEADER] = str(lost)
             try:
-                resp = self._http.post(target, body)
+                resp = self._http.post(target, body, headers)
             except OSError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             else:
                 if resp.status < 300:
-                    self._stats.sent += 1
+                    counted = attempt > 0 or not resp.replayed
+                    with self._cond:
+                        self._stats.sent += 1
+                        if counted:
+                            self._stats.unreported_drops -= lost
                     return
                 reason = f"HTTP {resp.status}: {resp.text[:300]}"
                 if resp.status < 500:
@@ -361,14 +378,14 @@ class Tap:
                     self._log_once(
                         f"refused-{resp.status}",
                         "timwatch tap: monitor refused batch %s (%s); not retried",
-                        item.batch_id,
+                        batch_id,
                         reason,
                     )
                     return
-                wait = _retry_after(resp.headers.get("retry-after"))
+                wait = resp.retry_after
             self._stats.last_error = reason
             if attempt >= self.max_retries or self._stop.is_set():
-                self._stats.failed += 1
+                self._gave_up()
                 self._log_once("gave-up", "timwatch tap: gave up on a batch: %s", reason)
                 return
             backoff = min(self.max_backoff_s, self.backoff_s * 2**attempt)
@@ -377,14 +394,5 @@ class Tap:
             attempt += 1
             self._stats.retries += 1
             if self._stop.wait(delay):
-                self._stats.failed += 1
+                self._gave_up()
                 return
-
-
-def _retry_after(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None

@@ -2,17 +2,16 @@
 
 Happy paths talk to a real uvicorn server (conftest's ``server``). Failure modes the real server
 cannot be made to produce on demand (503 with Retry-After, a monitor that hangs, a 5xx storm)
-use a tiny ``http.server`` on loopback that records every request it gets.
+use `tests.helpers.tap_standin.StandIn`, a tiny ``http.server`` on loopback that records every
+request it gets. Batch ids, restarts and close/finish: test_tap_ids.py; the byte-bounded queue
+and drop reporting: test_tap_queue.py.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import numpy as np
@@ -21,15 +20,24 @@ import torch
 
 from tests.helpers.batches import random_batch
 from tests.helpers.procs import REPO, ServerProc
+from tests.helpers.tap_standin import StandIn
 from timwatch.monitor.core.batch import Batch
+from timwatch.monitor.core.digest import batch_digest
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.jsoncodec import dumps, loads
 from timwatch.monitor.core.row import derive_row
 from timwatch.sidecar.tap import Tap
+from timwatch.sidecar.tap.wire import batch_id_for
 
 
 def norm(obj: Any) -> Any:
     return loads(dumps(obj))
+
+
+def as_tap_sends(prefix: str = "tap-r0", **fields: Any) -> Batch:
+    """The batch a tap with `prefix` sends for these fields, with its generated id."""
+    plain = Batch.from_arrays(**fields)
+    return Batch.from_arrays(**fields, batch_id=batch_id_for(prefix, plain))
 
 
 def arrays_of(seed: int) -> dict[str, np.ndarray]:
@@ -40,46 +48,6 @@ def arrays_of(seed: int) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------- stand-in monitor
-
-
-class StandIn:
-    """Answers POSTs from a script of statuses; records (path, headers, batch) of each."""
-
-    def __init__(self) -> None:
-        self.script: list[tuple[int, dict[str, str]]] = []
-        self.requests: list[dict[str, Any]] = []
-        self.gate = threading.Event()
-        self.gate.set()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                outer.gate.wait(30)
-                batch = Batch.from_safetensors(body)
-                outer.requests.append(
-                    {"path": self.path, "headers": dict(self.headers), "batch": batch}
-                )
-                status, headers = outer.script.pop(0) if outer.script else (200, {})
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                payload = json.dumps({"detail": f"stand-in {status}"}).encode()
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.gate.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
@@ -116,12 +84,12 @@ def test_numpy_and_torch_batches_reach_the_history_with_the_engine_rows(
     with server.client() as c:
         step3 = c.get("/v1/runs/taprun/steps/3").json()
         step4 = c.get("/v1/runs/taprun/steps/4").json()
-    b3 = Batch.from_arrays(**a, step=3, policy_version=pv, batch_id="tap-r0-s3-m0")
+    b3 = as_tap_sends(**a, step=3, policy_version=pv)
     expected3 = derive_row(accumulate(b3)).to_dict()
     assert step3["row"] == norm(expected3)
     # the bf16 trainer log-probs arrive as float32 values of the bf16 numbers
     b_bf16 = dict(b, logp_train=torch.from_numpy(b["logp_train"]).bfloat16().float().numpy())
-    b4 = Batch.from_arrays(**b_bf16, step=4, batch_id="tap-r0-s4-m0")
+    b4 = as_tap_sends(**b_bf16, step=4)
     expected4 = derive_row(accumulate(b4)).to_dict()
     assert step4["row"] == norm(expected4)
 
@@ -140,7 +108,7 @@ def test_caller_mutating_its_arrays_after_report_changes_nothing(server: ServerP
     assert tap.close(30)
     with server.client() as c:
         for step in (1, 2):
-            batch = Batch.from_arrays(**original, step=step, batch_id=f"tap-r0-s{step}-m0")
+            batch = as_tap_sends(**original, step=step)
             row = c.get(f"/v1/runs/mutate/steps/{step}").json()["row"]
             assert row == norm(derive_row(accumulate(batch)).to_dict())
 
@@ -190,22 +158,12 @@ def test_503_and_500_are_retried_with_the_same_batch_id(stand_in: StandIn) -> No
     assert tap.close(10)
     st = tap.stats()
     assert (st["sent"], st["retries"], st["failed"]) == (1, 2, 0)
-    ids = [r["batch"].batch_id for r in stand_in.requests]
-    assert ids == ["tap-r3-s7-m0"] * 3
-    r = stand_in.requests[0]
+    ids = [r["batch"].batch_id for r in stand_in.batches()]
+    assert ids == [f"tap-r3-s7-{batch_digest(stand_in.batches()[0]['batch'])[:24]}"] * 3
+    r = stand_in.batches()[0]
     assert r["path"] == "/v1/runs/tap-run/batches"
     assert r["headers"]["Content-Type"] == "application/x-safetensors"
     assert r["headers"]["Authorization"] == "Bearer tok"
-
-
-def test_batch_ids_count_micro_batches_per_step(stand_in: StandIn) -> None:
-    tap = fast_tap(stand_in.url, rank=1)
-    for step in (5, 5, 6, 5):
-        tap.report(step, **arrays_of(step))
-    tap.report(6, **arrays_of(9), batch_id="mine")
-    assert tap.close(10)
-    ids = [r["batch"].batch_id for r in stand_in.requests]
-    assert ids == ["tap-r1-s5-m0", "tap-r1-s5-m1", "tap-r1-s6-m0", "tap-r1-s5-m2", "mine"]
 
 
 def test_4xx_is_refused_not_retried(stand_in: StandIn) -> None:
@@ -218,7 +176,7 @@ def test_4xx_is_refused_not_retried(stand_in: StandIn) -> None:
     st = tap.stats()
     assert (st["refused"], st["sent"], st["retries"]) == (2, 1, 0)
     assert st["refused_statuses"] == {422: 1, 413: 1}
-    assert len(stand_in.requests) == 3
+    assert len(stand_in.batches()) == 3
 
 
 def test_full_queue_drops_the_oldest(stand_in: StandIn) -> None:
@@ -232,7 +190,7 @@ def test_full_queue_drops_the_oldest(stand_in: StandIn) -> None:
     assert st["dropped"] == 8 - 3 - st["in_flight"]
     stand_in.gate.set()
     assert tap.close(10)
-    steps = [r["batch"].step for r in stand_in.requests]
+    steps = [r["batch"].step for r in stand_in.batches()]
     assert steps[-3:] == [5, 6, 7]
     assert tap.stats()["sent"] == len(steps) == 8 - tap.stats()["dropped"]
 
@@ -269,4 +227,4 @@ def test_bad_input_is_counted_never_raised(stand_in: StandIn) -> None:
     st = tap.stats()
     assert (st["errors"], st["invalid"], st["sent"]) == (1, 2, 0)
     assert "entropy" in (st["last_error"] or "")
-    assert stand_in.requests == []
+    assert stand_in.batches() == []
