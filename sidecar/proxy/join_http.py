@@ -62,7 +62,11 @@ class TapForwarder:
         with self._lock:
             tap = self.taps.get(run)
             if tap is None:
-                tap = self.taps[run] = Tap(self.url, run, self.token, **self.tap_kwargs)
+                # a proxy never finishes a run: the trainer owns its lifecycle, and one proxy
+                # replica restarting must not mark the run finished
+                tap = self.taps[run] = Tap(
+                    self.url, run, self.token, **{"finish": False, **self.tap_kwargs}
+                )
         tap.report(
             step,
             **arrays,

@@ -247,6 +247,7 @@ def install_probe_forward(
         run + PROBE_RUN_SUFFIX,
         token or os.environ.get("TIMWATCH_TOKEN"),
         id_prefix=f"probe-{socket.gethostname()}-{os.getpid()}",
+        finish=False,  # one of several proxy replicas stopping does not finish the probe run
     )
     forwarder = ProbeForwarder(
         tap.report, batch_size=batch_size, flush_s=flush_s, report_stats=tap.stats

@@ -122,7 +122,11 @@ class Tap:
         self._thread.start()
         self._flush_at_exit_s = flush_at_exit_s
         ref = weakref.ref(self)
-        self._atexit = lambda: (t := ref()) is not None and t.close(t._flush_at_exit_s)
+        # interpreter exit (a crash included) flushes but never finishes the run: a trainer that
+        # died must keep its stall alert
+        self._atexit = lambda: (
+            (t := ref()) is not None and t.close(t._flush_at_exit_s, finish=False)
+        )
         atexit.register(self._atexit)
 
     # ---- training-thread side ---------------------------------------------------------------
@@ -282,8 +286,8 @@ class Tap:
     def __enter__(self) -> Tap:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(finish=False if exc_type is not None else None)  # a crash is not a finish
 
     # ---- shipper thread ---------------------------------------------------------------------
 

@@ -146,9 +146,47 @@ def test_close_finishes_on_the_real_server_without_raising(server_factory: Any) 
     tap = Tap(srv.url, "real-finish", rank=0)
     tap.report(1, **arrays_of(1))
     assert tap.close(30)
-    assert tap.stats()["finished"] is not None  # sent; True once the server has the endpoint
+    assert tap.stats()["finished"] is True
     assert "POST /v1/runs/real-finish/finish" in srv.output()
     assert stored(srv, "real-finish", 1)["batches"] == 1
+    assert finished_at(srv, "real-finish") is not None
+
+
+def finished_at(server: ServerProc, run: str) -> float | None:
+    with server.client() as c:
+        runs = {r["run"]: r for r in c.get("/v1/runs").json()["runs"]}
+    return runs[run]["finished_at"]  # type: ignore[no-any-return]
+
+
+def test_a_with_block_ending_in_an_exception_does_not_finish(stand_in: StandIn) -> None:
+    with pytest.raises(RuntimeError), Tap(stand_in.url, "crash", rank=0) as tap:
+        tap.report(1, **arrays_of(1))
+        raise RuntimeError("the trainer died")
+    assert [r["path"] for r in stand_in.requests] == ["/v1/runs/crash/batches"]
+
+
+def test_a_trainer_that_crashes_ships_its_batches_but_does_not_finish(
+    server: ServerProc, tmp_path: Any
+) -> None:
+    """Interpreter exit after an uncaught exception flushes (atexit) without finishing, so
+    the stall alert of a dead trainer still fires."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from timwatch.sidecar.tap import Tap\n"
+        f"tap = Tap({server.url!r}, 'died', rank=0)\n"
+        "n = 8\n"
+        "tap.report(1, cu_seqlens=np.array([0, n]), logp_rollout=-np.ones(n),"
+        " logp_train=-np.ones(n), entropy=np.ones(n), loss_mask=np.ones(n, np.uint8))\n"
+        "raise SystemExit('crash')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert stored(server, "died", 1)["batches"] == 1
+    assert finished_at(server, "died") is None
 
 
 def test_finish_against_a_monitor_that_is_down_is_logged(caplog: pytest.LogCaptureFixture) -> None:
