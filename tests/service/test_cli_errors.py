@@ -331,3 +331,16 @@ def test_analyze_accepts_float16_safetensors(tmp_path: Path) -> None:
     p = timwatch("analyze", "f16.safetensors", "--json", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe\x00garbage", b'{"uid": "a",'],
+    ids=["nested", "binary", "truncated"],
+)
+def test_hostile_dashboard_file_is_a_value_error(tmp_path: Path, data: bytes) -> None:
+    from timwatch.monitor.cli.dashboards import load_dashboard
+
+    (tmp_path / "d.json").write_bytes(data)
+    with pytest.raises(ValueError, match=r"d\.json: not valid JSON"):
+        load_dashboard(tmp_path / "d.json")
