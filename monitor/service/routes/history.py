@@ -95,9 +95,7 @@ def metrics_query(
     summary="One step's row and details",
     responses=ex.STEP_RESPONSES,
 )
-def get_step(
-    run: str, step: Annotated[int, Path(ge=0, le=STEP_MAX)], store: StoreDep
-) -> Response:
+def get_step(run: str, step: Annotated[int, Path(ge=0, le=STEP_MAX)], store: StoreDep) -> Response:
     found = None if check_run_id(run) else store.get_step(run, step)
     if found is None:
         raise ApiError(404, f"step {step} of run {run[:200]!r} not found")
