@@ -109,3 +109,27 @@ def test_out_of_bound_kept_tokens_are_refused_but_masked_ones_pass(
     with pytest.raises(BatchError) as info:
         Batch.from_arrays(**{k: np.array(v) for k, v in arrays.items()})
     assert info.value.field == field and info.value.index == 2
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 4096])
+@pytest.mark.parametrize(
+    ("mu", "pi", "h"),
+    [(LOGP_MIN, LOGP_MAX, 0.0), (LOGP_MAX, LOGP_MIN, ENTROPY_MAX), (LOGP_MIN, LOGP_MIN, 0.0)],
+)
+def test_worst_case_sums_stay_finite_at_2_31_tokens(
+    seq_len: int, mu: float, pi: float, h: float
+) -> None:
+    """Every token at the extremes of the accepted range: each float sum, scaled from this
+    batch's tokens to 2^31 tokens, is still far below float64's maximum."""
+    n = 8192
+    batch = Batch.from_arrays(
+        cu_seqlens=np.arange(0, n + 1, seq_len).tolist() + ([n] if n % seq_len else []),
+        logp_rollout=np.full(n, mu),
+        logp_train=np.full(n, pi),
+        entropy=np.full(n, h),
+        loss_mask=np.ones(n, dtype=np.uint8),
+    )
+    acc = accumulate(batch, PolicyParams())
+    scale = 2**31 / n
+    assert np.all(np.isfinite(acc.fsum)) and np.all(np.isfinite(acc.fext))
+    assert float(np.max(np.abs(acc.fsum))) * scale < 1e300
