@@ -9,7 +9,9 @@ threads at once, then reads its peak RSS (VmHWM). Printed: the peak growth over 
 
 - ``new``: `ingest_batch` on SQLite (scanner + validation + kernel + store), as the server runs it;
 - ``new-parse``: ``Batch.from_json_bytes`` alone;
-- ``old-parse``: ``Batch.from_json(orjson.loads(body))``, the parse ingest used before.
+- ``old-parse``: ``Batch.from_json(orjson.loads(body))``, the parse ingest used before;
+- ``server``: a real ``timwatch serve`` (SQLite) receiving the bodies over HTTP, its peak RSS
+  read from ``/proc/PID/status`` (this includes the request body being assembled).
 
 Then the parse time of one body, scanner against orjson (ratio < 1: the scanner is faster).
 Bounded: 64 MB × 4 bodies keep the old path near 2.5 GB of RSS; pass a smaller --mb on a small
@@ -94,6 +96,51 @@ def child(mode: str, body_path: str, copies: int) -> None:
     print(json.dumps({"ratio": (_status("VmHWM") - base) / size, "base": base, "size": size}))
 
 
+def server_ratio(body_path: str, copies: int) -> float:
+    import httpx
+
+    from tests.helpers.procs import ServerProc, free_port, server_env
+
+    body = Path(body_path).read_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ServerProc(
+            db=f"sqlite:///{tmp}/s.db", port=free_port(),
+            args=["--max-body", str(2 * len(body))], env=server_env(None), log=Path(tmp) / "log",
+        )  # fmt: skip
+        srv.start()
+        try:
+            assert srv.proc is not None
+            status = Path(f"/proc/{srv.proc.pid}/status")
+
+            def read(key: str) -> int:
+                for line in status.read_text().splitlines():
+                    if line.startswith(key + ":"):
+                        return int(line.split()[1]) * 1024
+                raise KeyError(key)
+
+            tiny = json.dumps(
+                {"cu_seqlens": [0, 2], "logp_rollout": [-1.0, -2.0], "logp_train": [-1.0, -2.0],
+                 "entropy": [1.0, 1.0], "loss_mask": [1, 1]}
+            ).encode()  # fmt: skip
+            with httpx.Client(base_url=srv.url, timeout=600) as c:
+                assert c.post("/v1/runs/warm/batches", content=tiny).status_code == 200
+            base = read("VmRSS")
+
+            def post(i: int) -> None:
+                with httpx.Client(base_url=srv.url, timeout=600) as c:
+                    r = c.post(f"/v1/runs/s{i}/batches", content=body)
+                    assert r.status_code == 200, r.text[:200]
+
+            threads = [threading.Thread(target=post, args=(i,)) for i in range(copies)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return (read("VmHWM") - base) / (len(body) * copies)
+        finally:
+            srv.stop()
+
+
 def parse_times(body_path: str, repeats: int = 3) -> tuple[float, float]:
     import orjson
 
@@ -141,6 +188,7 @@ def main() -> None:
                 )  # fmt: skip
                 ratio = json.loads(out.stdout.strip().splitlines()[-1])["ratio"]
                 print(f"{mode:<10} {copies:>6} {ratio:>30.2f}")
+            print(f"{'server':<10} {copies:>6} {server_ratio(str(body), copies):>30.2f}")
         new, old = parse_times(str(body))
         print(f"parse of one body: scanner {new:.3f} s, orjson + numpy {old:.3f} s, "
               f"ratio {new / old:.2f}")  # fmt: skip
