@@ -112,3 +112,42 @@ def test_refusals_name_field_and_index(body: bytes, field: str, index: int | Non
         scan_batch(body)
     assert info.value.field == field, str(info.value)
     assert info.value.index == index, str(info.value)
+
+
+_BODY = json.dumps(
+    {
+        "step": 3, "batch_id": "b-1", "policy_version": 4, "entropy_source": "topk",
+        "cu_seqlens": [0, 2, 5], "logp_rollout": [-0.5, -1.25, -2.0, -0.125, -3.0],
+        "logp_train": [-0.5, -1.0, -2.5, -0.25, -3.5], "entropy": [0.5, 1.0, 0.0, 2.0, 1e-3],
+        "loss_mask": [1, 1, 0, 1, 1], "token_ids": [5, 6, 7, 8, 9], "versions": [4, 4, 3, 4, 4],
+    }
+).encode()  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pos=st.integers(0, len(_BODY) - 1),
+    byte=st.sampled_from(list(b'[]{}",:-+.eE0123456789 \x00\xff\\tnNI')),
+    cut=st.integers(0, 40),
+    insert=st.booleans(),
+)
+def test_mutated_bodies_give_a_batch_or_a_batch_error(
+    pos: int, byte: int, cut: int, insert: bool
+) -> None:
+    from timwatch.monitor.core.batch import Batch
+
+    data = bytearray(_BODY)
+    if insert:
+        data.insert(pos, byte)
+    else:
+        data[pos] = byte
+    data = data[: len(data) - cut]
+    try:
+        batch = Batch.from_json_bytes(bytes(data))
+    except BatchError as err:
+        assert err.field and str(err)
+    else:  # what the scanner accepts, the standard parser reads the same way
+        want = Batch.from_json(json.loads(bytes(data)))
+        for name, arr in want.arrays().items():
+            assert np.array_equal(batch.arrays()[name], arr)
+        assert batch.metadata() == want.metadata()
