@@ -54,12 +54,15 @@ def _rule(name: str) -> str:
     if name == "loss_mask":
         return "every value 0 or 1"
     if name in wire.LOGP_FIELDS:
-        return f"finite, ≤ {num(wire.LOGP_MAX)} (a log-prob)"
+        return (
+            f"finite, ≤ {num(wire.LOGP_MAX)} (a log-prob); ≥ {num(wire.LOGP_MIN)} where "
+            "`loss_mask = 1`"
+        )
     if name in wire.FLOAT_FIELDS:
-        return "finite, ≥ 0"
+        return f"finite, ≥ 0; ≤ {num(wire.ENTROPY_MAX)} where `loss_mask = 1`"
     if name == "versions":
-        return "any integer"
-    return "≥ 0"
+        return "int64; `policy_version − v` fits int64"
+    return "≥ 0, int64"
 
 
 def _fields() -> str:
@@ -172,7 +175,14 @@ _CASES: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ("a fraction in an integer field", _put("token_ids", 1, 1.5)),
     ("a negative token id", _put("token_ids_train", 0, -1)),
     ("`step` or `policy_version` not an integer ≥ 0", _set("step", -1)),
+    ("`step` or `policy_version` ≥ 2^63", _set("policy_version", 2**63)),
+    ("a float in an integer field", _put("versions", 2, 1e30)),
+    ("an integer outside int64", _put("token_ids", 0, 2**64)),
+    ("a lag `policy_version − versions[i]` outside int64", _put("versions", 4, -(2**63))),
+    ("a kept log-prob below the floor", _put("logp_rollout", 1, -1e308)),
+    ("a kept entropy above the ceiling", _put("entropy", 2, 1e6)),
     ("an empty or over-long `batch_id`", _set("batch_id", "")),
+    ("a control character in `batch_id`", _set("batch_id", "run7\x00")),
     ("an unknown `entropy_source`", _set("entropy_source", "engine")),
 ]
 
@@ -230,6 +240,8 @@ def markers(root: Path) -> dict[str, str]:
         "metadata": _metadata(),
         "float_dtypes": ", ".join(accepted),
         "refused_dtypes": ", ".join(refused),
+        "logp_min": num(wire.LOGP_MIN),
+        "entropy_max": num(wire.ENTROPY_MAX),
         "safetensors_header": _safetensors_header(root / "examples" / "batch.safetensors"),
         "refusals": _refusals(),
         "dropped": _dropped(),

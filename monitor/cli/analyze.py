@@ -22,22 +22,22 @@ def read_batch(file: Path, nonfinite: str = "refuse") -> Batch:
     """The batch in ``file`` (.safetensors by suffix, JSON otherwise). A missing or unreadable
     file raises `ConfigError`; a malformed batch `BatchError` naming the field and index."""
     from timwatch.monitor.core.batch import Batch, BatchError
-    from timwatch.monitor.core.jsoncodec import loads
 
     mode = check_nonfinite(nonfinite)
     try:
         data = file.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{file}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{file} is a directory, not a batch file") from None
     except OSError as exc:
         raise ConfigError(f"cannot read {file}: {exc.strerror or exc}") from None
-    if file.suffix == ".safetensors":
-        return Batch.from_safetensors(data, nonfinite=mode)
     try:
-        obj = loads(data)
-    except ValueError as exc:
-        raise BatchError("body", f"{file} is not valid JSON: {exc}") from None
-    return Batch.from_json(obj, nonfinite=mode)
+        if file.suffix == ".safetensors":
+            return Batch.from_safetensors(data, nonfinite=mode)
+        return Batch.from_json_bytes(data, nonfinite=mode)
+    except BatchError as exc:
+        raise BatchError(exc.field, f"{file}: {exc}", exc.index) from None
 
 
 @with_policy_options

@@ -7,7 +7,6 @@ idempotent and always leaves the committed version in place, whatever was edited
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -41,10 +40,12 @@ def default_dashboard_files() -> list[Path]:
 
 def load_dashboard(path: Path) -> dict[str, Any]:
     """Read one dashboard JSON file (a bare dashboard or an export ``{"dashboard": {...}}``)."""
+    from timwatch.monitor.core.jsoncodec import loads  # orjson: depth-limited, no recursion
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        data = loads(path.read_bytes())
+    except ValueError as exc:  # also invalid UTF-8 and nesting past orjson's depth limit
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
     if isinstance(data, dict) and isinstance(data.get("dashboard"), dict):
         data = data["dashboard"]
     if not isinstance(data, dict):

@@ -8,8 +8,6 @@ clean batch pays a few numpy passes, and only a bad one pays for locating its fi
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,9 +15,25 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from timwatch.monitor.core.batch_checks import (
+    ENTROPY_MAX,
+    ENTROPY_SOURCES,
+    LOGP_MAX,
+    LOGP_MIN,
+    check_floats,
+    check_int_range,
+    check_kept_bounds,
+    check_lag,
+    check_metadata,
+    first,
+    parse_meta_strings,
+)
 from timwatch.monitor.core.errors import BatchError
 
 __all__ = [
+    "ENTROPY_MAX",
+    "LOGP_MAX",
+    "LOGP_MIN",
     "Batch",
     "BatchError",
     "ENTROPY_SOURCES",
@@ -38,8 +52,6 @@ FLOAT_FIELDS = ("logp_rollout", "logp_train", "entropy", "logp_old", "logp_teach
 INT_FIELDS = ("token_ids", "token_ids_train", "versions")
 LOGP_FIELDS = ("logp_rollout", "logp_train", "logp_old", "logp_teacher")
 META_FIELDS = ("step", "batch_id", "policy_version", "entropy_source")
-ENTROPY_SOURCES = ("rollout", "topk", "trainer")
-LOGP_MAX = 1e-6
 _TOKEN_FIELDS = REQUIRED_FIELDS[1:] + OPTIONAL_FIELDS
 
 FloatArray = npt.NDArray[np.floating[Any]]
@@ -114,7 +126,7 @@ class Batch:
         converted = {
             name: _to_numpy(name, value) for name, value in arrays.items() if value is not None
         }
-        meta = _check_metadata(
+        meta = check_metadata(
             {
                 "step": step,
                 "batch_id": batch_id,
@@ -126,13 +138,13 @@ class Batch:
 
     @classmethod
     def from_json(cls, obj: Any, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
-        """Build from a decoded JSON object: per-token lists plus metadata keys."""
+        """Build from a decoded JSON object: per-token lists (or arrays) plus metadata keys."""
         if not isinstance(obj, Mapping):
             raise BatchError("body", "a batch must be a JSON object")
         unknown = sorted(set(obj) - set(REQUIRED_FIELDS + OPTIONAL_FIELDS + META_FIELDS))
         if unknown:
-            raise BatchError(unknown[0], f"unknown field {unknown[0]!r}")
-        meta = _check_metadata({k: obj.get(k) for k in META_FIELDS if k in obj})
+            raise BatchError(unknown[0], f"unknown field {unknown[0]!r:.60}")
+        meta = check_metadata({k: obj.get(k) for k in META_FIELDS if k in obj})
         arrays = {
             name: _json_array(name, obj[name])
             for name in REQUIRED_FIELDS + OPTIONAL_FIELDS
@@ -141,28 +153,27 @@ class Batch:
         return _validate(arrays, meta, nonfinite)
 
     @classmethod
-    def from_safetensors(cls, data: bytes, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
-        """Build from safetensors bytes: tensor names are field names, metadata in the header."""
-        from safetensors import SafetensorError
-        from safetensors.numpy import load
+    def from_json_bytes(cls, data: bytes, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
+        """Build from the bytes of a JSON body, parsed straight into arrays
+        (`timwatch.monitor.core.jsonscan`: bounded memory, no recursion)."""
+        from timwatch.monitor.core.jsonscan import scan_batch
 
-        header = _safetensors_header(data)
-        raw_meta = header.get("__metadata__") or {}
-        unknown = sorted(
-            (set(header) - {"__metadata__"}) - set(REQUIRED_FIELDS + OPTIONAL_FIELDS)
-        ) or sorted(set(raw_meta) - set(META_FIELDS))
+        return cls.from_json(scan_batch(data), nonfinite=nonfinite)
+
+    @classmethod
+    def from_safetensors(cls, data: bytes, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
+        """Build from safetensors bytes: tensor names are field names, metadata in the header
+        (`timwatch.monitor.core.safetensors_codec` checks the framing and the dtypes)."""
+        from timwatch.monitor.core.safetensors_codec import decode
+
+        tensors, raw_meta = decode(data)
+        unknown = sorted(set(tensors) - set(REQUIRED_FIELDS + OPTIONAL_FIELDS)) or sorted(
+            set(raw_meta) - set(META_FIELDS)
+        )
         if unknown:
-            raise BatchError(unknown[0], f"unknown field {unknown[0]!r}")
-        for name, info in header.items():
-            if name != "__metadata__" and info.get("dtype") in ("BF16", "F8_E4M3", "F8_E5M2"):
-                raise BatchError(name, f"{name} has dtype {info['dtype']}; send float32 or float64")
-        try:
-            tensors = load(data)
-        except SafetensorError as exc:
-            raise BatchError("body", f"invalid safetensors: {exc}") from None
-        meta = _check_metadata(_parse_meta(raw_meta))
-        arrays = {name: _to_numpy(name, value) for name, value in tensors.items()}
-        return _validate(arrays, meta, nonfinite)
+            raise BatchError(unknown[0], f"unknown field {unknown[0]!r:.60}")
+        meta = check_metadata(parse_meta_strings(raw_meta))
+        return _validate(dict(tensors), meta, nonfinite)
 
     # ---- serialisation ------------------------------------------------------------------
 
@@ -183,76 +194,6 @@ class Batch:
 # ---- helpers ------------------------------------------------------------------------------
 
 
-def _safetensors_header(data: bytes) -> dict[str, Any]:
-    if len(data) < 8:
-        raise BatchError("body", "invalid safetensors: shorter than its 8-byte header length")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise BatchError("body", f"invalid safetensors: header of {n} bytes is truncated")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except ValueError as exc:
-        raise BatchError("body", f"invalid safetensors header: {exc}") from None
-    if not isinstance(header, dict):
-        raise BatchError("body", "invalid safetensors header: not an object")
-    for name, info in header.items():
-        if name == "__metadata__":
-            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-                raise BatchError("__metadata__", "safetensors metadata must map names to strings")
-            continue
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not isinstance(info.get("dtype"), str)
-            or not isinstance(info.get("shape"), list)
-        ):
-            raise BatchError(name, f"invalid safetensors: tensor {name!r} has a malformed header")
-        if 8 + n + offsets[1] > len(data):
-            raise BatchError(name, f"invalid safetensors: tensor {name!r} is truncated")
-    return header
-
-
-def _parse_meta(raw: Mapping[str, str]) -> dict[str, Any]:
-    """safetensors metadata values are strings; turn the numeric ones back into ints."""
-    out: dict[str, Any] = dict(raw)
-    for key in ("step", "policy_version"):
-        if key in out:
-            try:
-                out[key] = int(out[key])
-            except (TypeError, ValueError):
-                raise BatchError(key, f"{key} must be an integer, got {out[key]!r}") from None
-    return out
-
-
-def _check_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"step": 0, "batch_id": None, "policy_version": None}
-    out["entropy_source"] = "trainer"
-    for key in ("step", "policy_version"):
-        value = meta.get(key)
-        if value is None:
-            continue
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise BatchError(key, f"{key} must be an integer, got {value!r}")
-        if value < 0:
-            raise BatchError(key, f"{key} must be ≥ 0, got {value}")
-        out[key] = int(value)
-    batch_id = meta.get("batch_id")
-    if batch_id is not None:
-        if not isinstance(batch_id, str) or not batch_id or len(batch_id) > 256:
-            raise BatchError("batch_id", "batch_id must be a non-empty string of ≤ 256 chars")
-        out["batch_id"] = batch_id
-    source = meta.get("entropy_source")
-    if source is not None:
-        if source not in ENTROPY_SOURCES:
-            raise BatchError(
-                "entropy_source", f"entropy_source must be one of {ENTROPY_SOURCES}, got {source!r}"
-            )
-        out["entropy_source"] = source
-    return out
-
-
 def _to_numpy(name: str, value: Any) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing it
         tensor = value.detach()
@@ -266,22 +207,27 @@ def _to_numpy(name: str, value: Any) -> np.ndarray:
 
 
 def _json_array(name: str, value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):  # from jsonscan: already parsed and element-checked
+        return value
     if not isinstance(value, list):
         raise BatchError(name, f"{name} must be a list, got {type(value).__name__}")
     try:
         arr = np.asarray(value)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         arr = np.asarray(value, dtype=object)
-    if arr.dtype.kind in "fiub" and arr.ndim == 1:
+    integer = name in INT_FIELDS or name == "cu_seqlens"
+    if arr.shape == (0,):
+        return arr.astype(np.int64 if integer else np.float64)
+    if arr.ndim == 1 and (arr.dtype.kind in "iub" or (arr.dtype.kind == "f" and not integer)):
         return arr
     for i, item in enumerate(value):  # slow path: only taken to name a bad element
         if isinstance(item, bool) or not isinstance(item, (int, float)):
             raise BatchError(name, f"{name}[{i}] must be a number, got {item!r:.40}", i)
+        if integer and isinstance(item, float):
+            raise BatchError(name, f"{name}[{i}] = {item!r} must be an integer", i)
+        if integer and not -(2**63) <= item < 2**63:
+            raise BatchError(name, f"{name}[{i}] = {item} is outside int64", i)
     raise BatchError(name, f"{name} must be a flat list of numbers")
-
-
-def _first(bad: np.ndarray) -> int:
-    return int(np.flatnonzero(bad)[0])
 
 
 def _check_dtypes(arrays: dict[str, np.ndarray]) -> None:
@@ -300,10 +246,33 @@ def _check_dtypes(arrays: dict[str, np.ndarray]) -> None:
             if kind == "f" and name != "loss_mask":
                 frac = arr != np.floor(arr)
                 if frac.any():
-                    i = _first(frac)
+                    i = first(frac)
                     raise BatchError(name, f"{name}[{i}] = {arr[i].item()!r} must be an integer", i)
-                raise BatchError(name, f"{name} must hold {want}, got dtype {arr.dtype}")
             raise BatchError(name, f"{name} must hold {want}, got dtype {arr.dtype}")
+        if kind in "iu" and name != "loss_mask":
+            check_int_range(name, arr)
+
+
+def _check_cu(cu: np.ndarray, n: int) -> None:
+    if cu.shape[0] < 2:
+        raise BatchError("cu_seqlens", "cu_seqlens needs at least 2 entries (n_seq + 1)")
+    if cu[0] != 0:
+        raise BatchError("cu_seqlens", f"cu_seqlens must start at 0, starts at {cu[0]}", 0)
+    dec = cu[1:] < cu[:-1]
+    if dec.any():
+        i = first(dec) + 1
+        raise BatchError(
+            "cu_seqlens",
+            f"cu_seqlens must be non-decreasing: cu_seqlens[{i}] = {cu[i]} < "
+            f"cu_seqlens[{i - 1}] = {cu[i - 1]}",
+            i,
+        )
+    if cu[-1] != n:
+        raise BatchError(
+            "cu_seqlens",
+            f"cu_seqlens must end at {n} (the token count), ends at {cu[-1]}",
+            cu.shape[0] - 1,
+        )
 
 
 def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: str) -> Batch:
@@ -322,30 +291,12 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
                 "(the length of logp_rollout)",
             )
     cu = arrays["cu_seqlens"].astype(np.int64, copy=False)
-    if cu.shape[0] < 2:
-        raise BatchError("cu_seqlens", "cu_seqlens needs at least 2 entries (n_seq + 1)")
-    if cu[0] != 0:
-        raise BatchError("cu_seqlens", f"cu_seqlens must start at 0, starts at {cu[0]}", 0)
-    dec = cu[1:] < cu[:-1]
-    if dec.any():
-        i = _first(dec) + 1
-        raise BatchError(
-            "cu_seqlens",
-            f"cu_seqlens must be non-decreasing: cu_seqlens[{i}] = {cu[i]} < "
-            f"cu_seqlens[{i - 1}] = {cu[i - 1]}",
-            i,
-        )
-    if cu[-1] != n:
-        raise BatchError(
-            "cu_seqlens",
-            f"cu_seqlens must end at {n} (the token count), ends at {cu[-1]}",
-            cu.shape[0] - 1,
-        )
+    _check_cu(cu, n)
     mask = arrays["loss_mask"]
     if mask.dtype.kind != "b":
         bad = (mask != 0) & (mask != 1)
         if bad.any():
-            i = _first(bad)
+            i = first(bad)
             raise BatchError("loss_mask", f"loss_mask[{i}] = {mask[i]} is not 0 or 1", i)
     mask = mask.astype(np.uint8, copy=nonfinite == "drop")
     floats = {
@@ -364,15 +315,19 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
             floats = {k: np.where(bad_any, 0.0, v).astype(v.dtype) for k, v in floats.items()}
     elif nonfinite != "refuse":
         raise ValueError(f"nonfinite must be 'refuse' or 'drop', got {nonfinite!r}")
+    keep = mask.view(np.bool_)
     for name, arr in floats.items():
-        _check_floats(name, arr)
+        check_floats(name, arr)
+        check_kept_bounds(name, arr, keep)
     for name in INT_FIELDS:
         if name in arrays and name != "versions" and arrays[name].min() < 0:
-            i = _first(arrays[name] < 0)
+            i = first(arrays[name] < 0)
             raise BatchError(name, f"{name}[{i}] = {arrays[name][i]} is negative", i)
     ints = {
         name: arrays[name].astype(np.int64, copy=False) for name in INT_FIELDS if name in arrays
     }
+    if "versions" in ints:
+        check_lag(ints["versions"], meta.get("policy_version"))
     return Batch(
         cu_seqlens=cu,
         loss_mask=mask,
@@ -381,20 +336,3 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
         **ints,  # type: ignore[arg-type]
         **meta,
     )
-
-
-def _check_floats(name: str, arr: np.ndarray) -> None:
-    finite = np.isfinite(arr)
-    if not finite.all():
-        i = _first(~finite)
-        what = "NaN" if np.isnan(arr[i]) else ("+inf" if arr[i] > 0 else "-inf")
-        raise BatchError(name, f"{name}[{i}] is {what}", i)
-    if name in LOGP_FIELDS:
-        if arr.max() > LOGP_MAX:
-            i = _first(arr > LOGP_MAX)
-            raise BatchError(
-                name, f"{name}[{i}] = {float(arr[i])!r} is a positive log-prob (must be ≤ 1e-6)", i
-            )
-    elif arr.min() < 0:
-        i = _first(arr < 0)
-        raise BatchError(name, f"{name}[{i}] = {float(arr[i])!r} is negative (must be ≥ 0)", i)

@@ -219,7 +219,7 @@ def _versions(batch: Batch, acc: Accumulator, mask: np.ndarray) -> None:
     lag = batch.policy_version - v
     k3 = k3_of(batch.logp_rollout, batch.logp_train, batch.loss_mask)[idx]
     acc.lag_tokens = int(lag.shape[0])
-    acc.lag_sum = float(lag.sum())
+    acc.lag_sum = float(lag.sum(dtype=np.float64))  # an int64 sum could wrap
     acc.lag_max = int(lag.max())
     values, inverse = np.unique(lag, return_inverse=True)
     tokens = np.bincount(inverse)

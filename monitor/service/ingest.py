@@ -12,7 +12,6 @@ stored before digests existed (NULL) replays whatever is posted under its id.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,7 +21,6 @@ from timwatch.monitor.core.batch import Batch, NonFinitePolicy
 from timwatch.monitor.core.digest import batch_digest
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.errors import ApiError, BatchConflict, BatchError, InputError
-from timwatch.monitor.core.jsoncodec import loads
 from timwatch.monitor.core.masks import PolicyParams, keep_masks
 from timwatch.monitor.core.row import derive_row
 from timwatch.monitor.core.runid import check_run_id
@@ -83,29 +81,18 @@ def parse_tap_dropped(value: str | None) -> int:
     return int(text)
 
 
-def _decode_json(body: bytes) -> Any:
-    """Strict JSON fast path; Python's json as fallback so NaN/Infinity literals (which
-    ``json.dumps`` writes) reach validation and get a message naming field and index."""
-    try:
-        return loads(body)
-    except ValueError:
-        try:
-            return json.loads(body)
-        except ValueError as e:
-            raise BatchError("body", f"body is not valid JSON: {e}") from None
-
-
 def parse_batch(
     body: bytes, content_type: str, *, nonfinite: NonFinitePolicy, reason: str | None
 ) -> Batch:
     """A validated `Batch` from a JSON (also no content type) or safetensors body: 422 names
-    the field and index of the first problem, 415 an unknown content type."""
+    the field and index of the first problem, 415 an unknown content type. JSON is parsed
+    straight into arrays (`Batch.from_json_bytes`: bounded memory, no recursion)."""
     ctype = content_type.split(";")[0].strip().lower()
     try:
         if ctype == SAFETENSORS:
             return Batch.from_safetensors(body, nonfinite=nonfinite)
         if ctype in ("", "application/json"):
-            return Batch.from_json(_decode_json(body), nonfinite=nonfinite)
+            return Batch.from_json_bytes(body, nonfinite=nonfinite)
     except BatchError as e:
         raise ApiError(422, str(e), reason=reason, field=e.field, index=e.index) from None
     raise ApiError(

@@ -12,8 +12,10 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import typer
 
@@ -33,8 +35,12 @@ def timwatch(
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "timwatch", *args],
-        cwd=cwd, env={**CLEAN_ENV, **(env or {})}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=cwd,
+        env={**CLEAN_ENV, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def one_error_line(p: subprocess.CompletedProcess[str], *fragments: str) -> str:
@@ -75,10 +81,21 @@ def test_db_in_a_read_only_directory_is_refused(tmp_path: Path) -> None:
     ro.mkdir()
     ro.chmod(0o555)
     p = subprocess.run(
-        [*without_root_override(), sys.executable, "-m", "timwatch", "serve",
-         "--db", f"sqlite:///{ro}/x.db"],
-        cwd=tmp_path, env=CLEAN_ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            *without_root_override(),
+            sys.executable,
+            "-m",
+            "timwatch",
+            "serve",
+            "--db",
+            f"sqlite:///{ro}/x.db",
+        ],
+        cwd=tmp_path,
+        env=CLEAN_ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     one_error_line(p, f"directory {ro} is not writable")
     assert list(ro.iterdir()) == []
 
@@ -157,8 +174,11 @@ def test_history_commands_name_an_unknown_run(tmp_path: Path, server: ServerProc
         timwatch("show", "nope", "1", "--url", server.url, cwd=tmp_path), "run 'nope' not found"
     )
     with httpx.Client(base_url=server.url) as c:
-        r = c.post("/v1/runs/known/batches", content=EXAMPLE.read_bytes(),
-                   headers={"Content-Type": "application/json"})  # fmt: skip
+        r = c.post(
+            "/v1/runs/known/batches",
+            content=EXAMPLE.read_bytes(),
+            headers={"Content-Type": "application/json"},
+        )
         assert r.status_code == 200, r.text
     one_error_line(
         timwatch("query", "known", "-m", "no_such_metric", "--url", server.url, cwd=tmp_path),
@@ -231,3 +251,96 @@ def test_a_bug_is_one_line_too_and_debug_shows_the_traceback(
     monkeypatch.setenv(DEBUG_ENV, "1")
     with pytest.raises(KeyError):
         run(app, [], prog_name="tool")
+
+
+# ------------------------------------------------------------------ analyze: hostile files
+
+
+def _f16_example() -> bytes:
+    """examples/batch.safetensors with every float tensor stored as float16."""
+    from timwatch.monitor.core.batch import Batch
+
+    batch = Batch.from_json_bytes(EXAMPLE.read_bytes())
+    from safetensors.numpy import save
+
+    arrays = {
+        k: (v.astype(np.float16) if v.dtype.kind == "f" else v) for k, v in batch.arrays().items()
+    }
+    return save(arrays, metadata={"step": str(batch.step)})
+
+
+def _edited(field: str, value: Any) -> bytes:
+    """examples/batch.json with `field` at its first kept token set to `value`."""
+    obj = json.loads(EXAMPLE.read_text())
+    obj[field][obj["loss_mask"].index(1)] = value
+    return json.dumps(obj).encode()
+
+
+HOSTILE_FILES = [
+    (
+        "truncated.safetensors",
+        (REPO / "examples" / "batch.safetensors").read_bytes()[:-9],
+        ["truncated.safetensors", "invalid safetensors"],
+    ),
+    (
+        "garbage.safetensors",
+        b"\x07\x00\x00\x00\x00\x00\x00\x00\xff\xfe\x00garbage",
+        ["garbage.safetensors", "invalid safetensors"],
+    ),
+    ("garbage.json", b"\x00\xff\x13garbage", ["garbage.json", "not valid JSON"]),
+    ("bad.json", b'{"step": 3,', ["bad.json", "not valid JSON"]),
+    ("nested.json", b"[" * 100_000 + b"]" * 100_000, ["nested.json", "JSON object"]),
+    ("nested_field.json", b'{"logp_rollout": ' + b"[" * 100_000, ["logp_rollout"]),
+    (
+        "huge_step.json",
+        EXAMPLE.read_bytes().replace(b'"step": 3', b'"step": 18446744073709551616'),
+        ["huge_step.json", "step must be"],
+    ),
+    (
+        "huge_version.json",
+        _edited("versions", 2**63),
+        ["huge_version.json", "versions[0]", "int64"],
+    ),
+    (
+        "floor.json",
+        _edited("logp_rollout", -1e308),
+        ["floor.json", "logp_rollout"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "fragments"), HOSTILE_FILES, ids=[h[0] for h in HOSTILE_FILES]
+)
+def test_analyze_hostile_file_is_one_line(
+    tmp_path: Path, name: str, data: bytes, fragments: list[str]
+) -> None:
+    (tmp_path / name).write_bytes(data)
+    p = timwatch("analyze", name, cwd=tmp_path)
+    one_error_line(p, *fragments)
+    assert p.stdout == ""
+
+
+def test_analyze_a_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "batch.json").mkdir()
+    one_error_line(timwatch("analyze", "batch.json", cwd=tmp_path), "batch.json is a directory")
+
+
+def test_analyze_accepts_float16_safetensors(tmp_path: Path) -> None:
+    (tmp_path / "f16.safetensors").write_bytes(_f16_example())
+    p = timwatch("analyze", "f16.safetensors", "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe\x00garbage", b'{"uid": "a",'],
+    ids=["nested", "binary", "truncated"],
+)
+def test_hostile_dashboard_file_is_a_value_error(tmp_path: Path, data: bytes) -> None:
+    from timwatch.monitor.cli.dashboards import load_dashboard
+
+    (tmp_path / "d.json").write_bytes(data)
+    with pytest.raises(ValueError, match=r"d\.json: not valid JSON"):
+        load_dashboard(tmp_path / "d.json")

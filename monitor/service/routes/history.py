@@ -7,7 +7,7 @@ import csv
 import io
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import Response
 
 from timwatch.monitor.core.errors import ApiError
@@ -17,7 +17,13 @@ from timwatch.monitor.service.deps import StoreDep, require_read
 from timwatch.monitor.service.responses import json_response, metric_column, split_list
 from timwatch.monitor.store import METRIC_COLUMNS, Store
 
-__all__ = ["router"]
+__all__ = ["MAX_LAST", "STEP_MAX", "router"]
+
+#: steps are BigInteger keys: every step parameter is bounded to [0, STEP_MAX] (a 422 naming
+#: the parameter, never an overflow in the driver)
+STEP_MAX = 2**63 - 1
+#: the most steps ``last=N`` may ask for
+MAX_LAST = 10**9
 
 router = APIRouter(tags=["history"], dependencies=[Depends(require_read)])
 
@@ -60,9 +66,9 @@ def metrics_query(
     run: str,
     store: StoreDep,
     names: Annotated[str, Query(description="comma-separated metric names")] = "mismatch_kl",
-    from_step: Annotated[int | None, Query(ge=0)] = None,
-    to_step: Annotated[int | None, Query(ge=0)] = None,
-    last: Annotated[int | None, Query(ge=1)] = None,
+    from_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
+    to_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
+    last: Annotated[int | None, Query(ge=1, le=MAX_LAST)] = None,
     format: Annotated[str, Query(pattern="^(json|csv)$")] = "json",
 ) -> Response:
     requested = split_list(names)
@@ -89,7 +95,7 @@ def metrics_query(
     summary="One step's row and details",
     responses=ex.STEP_RESPONSES,
 )
-def get_step(run: str, step: int, store: StoreDep) -> Response:
+def get_step(run: str, step: Annotated[int, Path(ge=0, le=STEP_MAX)], store: StoreDep) -> Response:
     found = None if check_run_id(run) else store.get_step(run, step)
     if found is None:
         raise ApiError(404, f"step {step} of run {run[:200]!r} not found")
