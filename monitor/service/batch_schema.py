@@ -1,10 +1,10 @@
 """The JSON Schema of a packed batch body, built from the core's field tables and bounds.
 
-Invariant: the schema is never stricter than `Batch.from_json` — every body the schema refuses,
-the server refuses too (schemathesis checks this against a live server). Constraints that JSON
-Schema cannot state (every per-token array as long as ``logp_rollout``, ``cu_seqlens`` ending
-at that length, integers given as ``1.0``) are checked by the server alone and named in the
-422 it answers.
+Invariant: the schema is never stricter than `Batch.from_json_bytes` — every body the schema
+refuses, the server refuses too (schemathesis checks this against a live server). Constraints
+JSON Schema cannot state (bounds that hold on kept tokens only, every per-token array as long
+as ``logp_rollout``, ``cu_seqlens`` ending at that length, integers given as ``1.0``) are
+checked by the server alone and named in the 422 it answers.
 """
 
 from __future__ import annotations
@@ -19,16 +19,19 @@ from timwatch.monitor.core.batch import (
     OPTIONAL_FIELDS,
     REQUIRED_FIELDS,
 )
+from timwatch.monitor.core.batch_checks import ENTROPY_MAX, LOGP_MIN
 
 __all__ = ["batch_schema"]
 
 INT64_MAX = 2**63 - 1
+_NO_CONTROL = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"  # no C0, DEL or C1 character
 
 _DESCRIPTIONS = {
     "cu_seqlens": "sequence boundaries: 0, then each sequence's end offset, ending at N",
-    "logp_rollout": "log-prob μ of each sampled token under the rollout engine (N numbers)",
+    "logp_rollout": "log-prob μ of each sampled token under the rollout engine (N numbers); "
+    f"on kept tokens (loss_mask 1) every log-prob must be ≥ {LOGP_MIN:g}",
     "logp_train": "log-prob π of the same token recomputed by the trainer",
-    "entropy": "token entropy H in nats (≥ 0)",
+    "entropy": f"token entropy H in nats (≥ 0; ≤ {ENTROPY_MAX:g} on kept tokens)",
     "loss_mask": "1 where the token counts (0/1 or booleans)",
     "token_ids": "token ids the engine sampled",
     "token_ids_train": "token ids the trainer scored (compared with token_ids)",
@@ -68,7 +71,10 @@ def batch_schema() -> dict[str, Any]:
             "description": "training step (default 0)",
         },
         "batch_id": {
-            "anyOf": [{"type": "string", "minLength": 1, "maxLength": 256}, {"type": "null"}],
+            "anyOf": [
+                {"type": "string", "minLength": 1, "maxLength": 256, "pattern": _NO_CONTROL},
+                {"type": "null"},
+            ],
             "description": "idempotency key: a replay with the same content is answered from "
             "the store; the same id with other content is a 409",
         },
