@@ -81,3 +81,55 @@ def test_any_single_value_change_changes_it(i: int, field: str) -> None:
     else:
         arr[i] = arr[i] - np.float32(0.25)
     assert batch_digest(_batch(**{field: arr})) != batch_digest(b)
+
+
+def _reference_digest(b: Batch) -> str:
+    """The tree hash written out plainly: chunk leaves, field nodes, the batch root."""
+    import hashlib
+
+    from timwatch.monitor.core.digest import CHUNK_BYTES
+
+    root = hashlib.blake2b(digest_size=16)
+    root.update(
+        f"step={b.step};policy_version={b.policy_version};"
+        f"entropy_source={b.entropy_source};".encode()
+    )
+    for name, arr in b.arrays().items():
+        if name == "loss_mask":
+            canon = arr.astype(np.uint8)
+        elif arr.dtype.kind == "f":
+            narrow = arr.astype(np.float32)
+            canon = narrow if (narrow.astype(np.float64) == arr).all() else arr
+        else:
+            canon = arr.astype(np.int64)
+        data = canon.tobytes()
+        node = hashlib.blake2b(f"{name}:{canon.dtype.str}:{len(canon)};".encode(), digest_size=16)
+        for i in range(0, max(len(data), 1), CHUNK_BYTES):
+            node.update(hashlib.blake2b(data[i : i + CHUNK_BYTES], digest_size=16).digest())
+        root.update(node.digest())
+    return root.hexdigest()
+
+
+def test_matches_the_plain_tree_hash_small_and_multi_chunk() -> None:
+    rng = np.random.default_rng(5)
+    n = 700_000  # float64 fields of 5.6 MB: two chunks each, hashed in the thread pool
+    big = Batch.from_arrays(
+        cu_seqlens=[0, n // 2, n],
+        logp_rollout=-rng.random(n),
+        logp_train=-rng.random(n),
+        entropy=rng.random(n).astype(np.float32),
+        loss_mask=np.ones(n, dtype=np.uint8),
+        token_ids=rng.integers(0, 50_000, n),
+        step=2,
+    )
+    assert batch_digest(big) == _reference_digest(big)
+    assert batch_digest(_batch()) == _reference_digest(_batch())
+    late = big.logp_rollout.copy()
+    late[-1] -= 0.5  # in the second chunk of its field
+    assert batch_digest(_batch_like(big, logp_rollout=late)) != batch_digest(big)
+
+
+def _batch_like(b: Batch, **over: object) -> Batch:
+    fields: dict[str, object] = {**b.arrays(), "step": b.step}
+    fields.update(over)
+    return Batch.from_arrays(**fields)  # type: ignore[arg-type]
