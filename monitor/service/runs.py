@@ -18,7 +18,7 @@ __all__ = [
 ]
 
 #: the fixed label set of ``timwatch_rejected_batches_total{reason}``
-REJECT_REASONS = ("validation", "too_large", "unauthorized", "store_unavailable")
+REJECT_REASONS = ("validation", "too_large", "unauthorized", "store_unavailable", "overloaded")
 
 
 @dataclass
@@ -31,16 +31,22 @@ class RunState:
     step: int
     last_seen: float  # time.monotonic() of the last accepted batch (TTL)
     last_batch_ts: float  # wall clock of the last accepted batch
+    version: int = 0  # registry-wide counter value of the last change (render cache key)
 
 
 @dataclass
 class RunRegistry:
-    """Thread-safe map run → RunState plus rejection counters; idle runs expire after ``ttl``."""
+    """Thread-safe map run → RunState plus rejection counters; idle runs expire after ``ttl``.
+
+    Every change to a run's state gives it a fresh ``version`` from one registry-wide counter,
+    so a (run, version) pair names one exact state even across eviction and re-creation.
+    """
 
     ttl: float = 3600.0
     _runs: dict[str, RunState] = field(default_factory=dict)
     _rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _clock: int = 0
 
     def observe(self, run: str, acc: Accumulator, row: dict[str, Any], step: int) -> None:
         """Add one newly accepted batch (never a replay) to ``run``'s live state.
@@ -50,10 +56,12 @@ class RunRegistry:
         """
         now_m, now_w = time.monotonic(), time.time()
         with self._lock:
+            self._clock += 1
             cur = self._runs.get(run)
             if cur is None:
-                self._runs[run] = RunState(run, acc, row, step, now_m, now_w)
+                self._runs[run] = RunState(run, acc, row, step, now_m, now_w, self._clock)
             else:
+                cur.version = self._clock
                 cur.acc = cur.acc.merge(acc)
                 cur.last_seen, cur.last_batch_ts = now_m, now_w
                 if step >= cur.step:
@@ -83,7 +91,7 @@ class RunRegistry:
         self.evict()
         with self._lock:
             return [
-                RunState(s.run, s.acc, s.row, s.step, s.last_seen, s.last_batch_ts)
+                RunState(s.run, s.acc, s.row, s.step, s.last_seen, s.last_batch_ts, s.version)
                 for _, s in sorted(self._runs.items())
             ]
 

@@ -18,12 +18,17 @@ __all__ = [
     "DEFAULT_DB_URL",
     "DEFAULT_MAX_BODY",
     "DEFAULT_RUN_TTL",
+    "INFLIGHT_BODIES",
     "Settings",
     "is_loopback",
 ]
 
 DEFAULT_DB_URL = "sqlite:///./timwatch.db"
 DEFAULT_MAX_BODY = 256 * 1024 * 1024
+#: the in-flight budget is this many largest bodies unless --max-inflight says otherwise: four
+#: producers may upload full-size batches at once (1 GiB with the default --max-body), which
+#: bounds the memory bodies can pin while leaving headroom for the parse copies of each
+INFLIGHT_BODIES = 4
 DEFAULT_RUN_TTL = 3600.0
 
 
@@ -43,6 +48,7 @@ class Settings:
     token: str | None = None
     read_token: str | None = None
     max_body: int = DEFAULT_MAX_BODY
+    max_inflight: int | None = None  # bytes; None: INFLIGHT_BODIES × max_body
     run_ttl: float = DEFAULT_RUN_TTL
     nonfinite: Literal["refuse", "drop"] = "refuse"
     params: PolicyParams = field(default_factory=_default_params)
@@ -57,6 +63,13 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def inflight_budget(self) -> int:
+        """Request-body bytes the server reads or processes at once (``--max-inflight``)."""
+        return (
+            self.max_inflight if self.max_inflight is not None else INFLIGHT_BODIES * self.max_body
+        )
 
     @property
     def writes_protected(self) -> bool:

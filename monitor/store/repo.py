@@ -25,6 +25,7 @@ from timwatch.monitor.core.accumulator import Accumulator
 from timwatch.monitor.core.errors import StoreUnavailable
 from timwatch.monitor.core.row import derive_row
 from timwatch.monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
+from timwatch.monitor.store.health import WriteHealth, timed_lock
 from timwatch.monitor.store.models import (
     METRIC_COLUMNS,
     BatchRecord,
@@ -70,6 +71,7 @@ class Store:
         self._writer = self.engine.execution_options(timwatch_write=True)
         # SQLite has one writer at a time anyway; queueing in-process avoids busy-wait spins.
         self._write_lock: threading.Lock | None = threading.Lock() if self.sqlite else None
+        self.health = WriteHealth()  # outcomes of writes and pings, in memory (/healthz)
         if migrate:
             self._guard(lambda: upgrade(self.engine))
 
@@ -88,14 +90,18 @@ class Store:
             raise
 
     def _writing(self) -> AbstractContextManager[Any]:
-        return self._write_lock if self._write_lock is not None else nullcontext()
+        return timed_lock(self._write_lock) if self._write_lock is not None else nullcontext()
 
     def ping(self) -> None:
+        """One trivial query; its outcome is recorded in `health` (the service pings in the
+        background so ``/healthz`` never waits on the store)."""
+
         def go() -> None:
             with self.engine.connect() as conn:
                 conn.exec_driver_sql("SELECT 1")
 
-        self._guard(go)
+        with self.health.recording("ping"):
+            self._guard(go)
 
     # -- writes ---------------------------------------------------------------------------------
     def find_batch(self, run: str, batch_id: str) -> dict[str, Any] | None:
@@ -162,7 +168,8 @@ class Store:
                     time.sleep(0.001 * (attempt + 1))
             raise AssertionError("unreachable")
 
-        return self._guard(go)
+        with self.health.recording("write"):
+            return self._guard(go)
 
     def add_event(
         self,
@@ -181,7 +188,8 @@ class Store:
                     )
                 )
 
-        self._guard(go)
+        with self.health.recording("write"):
+            self._guard(go)
 
     # -- reads ----------------------------------------------------------------------------------
     def list_runs(self) -> list[dict[str, Any]]:
