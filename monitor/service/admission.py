@@ -11,6 +11,8 @@ plain integers need no lock):
   store) at once. A stuck store then holds at most that many threads; the next ingest gets an
   immediate 503 instead of queueing, and ``/metrics``, ``/healthz`` and reads keep their threads.
 
+A refused body is never buffered: uvicorn reads the rest of an upload it already answered and
+drops it (closing instead would reset the connection before the client reads the 503).
 Both refusals count as ``overloaded`` in ``timwatch_rejected_batches_total{reason}`` when they
 hit an ingest.
 """

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from timwatch.monitor.core.errors import StoreUnavailable
+from timwatch.monitor.service.admission import InflightBudget
 from timwatch.monitor.service.runs import RunRegistry
 from timwatch.monitor.service.settings import Settings
 from timwatch.monitor.store import Store
@@ -63,9 +64,14 @@ class Pinger:
 
 
 def health_answer(
-    settings: Settings, store: Store, runs: RunRegistry, pinger: Pinger | None
+    settings: Settings,
+    store: Store,
+    runs: RunRegistry,
+    pinger: Pinger | None,
+    budget: InflightBudget | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """The body and status of ``GET /healthz``, from memory only."""
+    """The body and status of ``GET /healthz``, from memory only (``inflight_bytes``: body
+    bytes held of the ``--max-inflight`` budget right now)."""
     report = store.health.report()
     stuck = pinger.stuck_for() if pinger is not None else None
     if stuck is not None:
@@ -79,4 +85,6 @@ def health_answer(
         "live_runs": len(runs),
         **report,
     }
+    if budget is not None:
+        body["inflight_bytes"], body["inflight_budget"] = budget.used, budget.capacity
     return body, 503 if degraded else 200

@@ -220,6 +220,8 @@ _HEALTH = {
     "ping_error": None,
     "last_ping_ok_at": 1764403601.0,
     "consecutive_ping_failures": 0,
+    "inflight_bytes": 0,
+    "inflight_budget": 1073741824,
 }
 
 HEALTHZ_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -64,15 +64,20 @@ class WriteHealth:
         self._pings = _Outcome()
 
     @contextmanager
-    def recording(self, kind: Literal["write", "ping"]) -> Iterator[None]:
+    def recording(
+        self, kind: Literal["write", "ping"], *, successes: bool = True
+    ) -> Iterator[None]:
         """Record the outcome of the block: a `StoreUnavailable` it raises is a failure (and
-        is re-raised), a normal exit a success; other errors are not the store's health."""
+        is re-raised), a normal exit a success unless `successes` is false (a read that
+        starts a write, whose success says nothing of the write); other errors are not the
+        store's health."""
         try:
             yield
         except StoreUnavailable as e:
             (self.write_failed if kind == "write" else self.ping_failed)(str(e))
             raise
-        (self.write_ok if kind == "write" else self.ping_ok)()
+        if successes:
+            (self.write_ok if kind == "write" else self.ping_ok)()
 
     def write_ok(self) -> None:
         with self._lock:

@@ -111,7 +111,8 @@ class Store:
             with self.engine.connect() as conn:
                 return find_batch(conn, run, batch_id)
 
-        return self._guard(go)
+        with self.health.recording("write", successes=False):  # an ingest's first step
+            return self._guard(go)
 
     def record_batch(
         self,

@@ -49,5 +49,5 @@ async def metrics(serving: ServingDep) -> Response:
 async def healthz(
     settings: SettingsDep, store: StoreDep, runs: RunsDep, serving: ServingDep
 ) -> Response:
-    body, status = health_answer(settings, store, runs, serving.pinger)
+    body, status = health_answer(settings, store, runs, serving.pinger, serving.budget)
     return json_response(body, status)
