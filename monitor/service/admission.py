@@ -8,8 +8,10 @@ plain integers need no lock):
   read; a chunked body reserves as it streams. A `Reservation` gives its bytes back when the
   request ends, whatever the ending (answer, error, disconnect).
 * `IngestSlots`: how many ingests may be in the threadpool (parsing, kernel, waiting for the
-  store) at once. A stuck store then holds at most that many threads; the next ingest gets an
-  immediate 503 instead of queueing, and ``/metrics``, ``/healthz`` and reads keep their threads.
+  store) at once. A stuck store then holds at most that many threads; the next ingest waits
+  `SLOT_WAIT_S` for a slot (not at all while the store's last write failed), then gets 503
+  instead of queueing without bound, and ``/metrics``,
+  ``/healthz`` and reads keep their threads.
 
 A refused body is never buffered: uvicorn reads the rest of an upload it already answered and
 drops it (closing instead would reset the connection before the client reads the 503).
@@ -19,13 +21,26 @@ hit an ingest.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import TracebackType
 
 from timwatch.monitor.core.errors import ApiError
 
-__all__ = ["INGEST_SLOTS", "RETRY_AFTER_S", "InflightBudget", "IngestSlots", "Reservation"]
+__all__ = [
+    "INGEST_SLOTS",
+    "RETRY_AFTER_S",
+    "SLOT_WAIT_S",
+    "InflightBudget",
+    "IngestSlots",
+    "Reservation",
+]
 
 RETRY_AFTER_S = "1"
+
+#: seconds an ingest waits for a free slot before its 503
+SLOT_WAIT_S = 1.0
 
 #: ingests admitted into the threadpool at once: AnyIO's default 40 worker threads minus 8
 #: kept for scrapes of other apps, history reads and mask requests
@@ -84,25 +99,38 @@ class Reservation:
 
 
 class IngestSlots:
-    """At most `limit` ingests at once in the threadpool; `enter` refuses the next with 503."""
+    """At most `limit` ingests at once in the threadpool. `enter` waits up to `wait` seconds
+    for a free slot (slots turn over in milliseconds on a healthy store), then refuses with 503;
+    a stuck store thus costs each writer past the limit `wait`, not a thread."""
 
-    def __init__(self, limit: int = INGEST_SLOTS) -> None:
-        self.limit, self.busy = limit, 0
+    def __init__(self, limit: int = INGEST_SLOTS, wait: float = SLOT_WAIT_S) -> None:
+        self.limit, self.wait = limit, wait
+        self.busy = 0
+        self._free: asyncio.Semaphore | None = None  # made on the serving loop, on first use
 
-    def check(self) -> None:
-        """Refuse now if no slot is free (before the body is uploaded for nothing)."""
-        if self.busy >= self.limit:
-            raise overloaded(
-                f"server busy: {self.limit} ingests already wait for the store; retry shortly",
-                "overloaded",
-            )
-
-    def __enter__(self) -> IngestSlots:
-        self.check()
+    @asynccontextmanager
+    async def enter(self, wait: float | None = None) -> AsyncIterator[None]:
+        """Hold a slot for the block; `wait` (default `self.wait`) 0 refuses at once when none
+        is free (the route passes 0 while the store's last write failed)."""
+        if self._free is None:
+            self._free = asyncio.Semaphore(self.limit)
+        wait = self.wait if wait is None else wait
+        refused = overloaded(
+            f"server busy: {self.limit} ingests already wait for the store; retry shortly",
+            "overloaded",
+        )
+        if not self._free.locked():
+            await self._free.acquire()  # a free slot: returns at once
+        elif wait <= 0:
+            raise refused
+        else:
+            try:
+                await asyncio.wait_for(self._free.acquire(), wait)
+            except TimeoutError:
+                raise refused from None
         self.busy += 1
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.busy -= 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            self._free.release()

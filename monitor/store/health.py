@@ -3,7 +3,7 @@
 `WriteHealth` records the outcome of every write attempt (`Store.record_batch`, `Store.add_event`)
 and of the service's background pings. Invariant: ``failing`` is true exactly while the most recent
 write attempt, or the most recent ping, raised `StoreUnavailable`; one success of that kind clears
-it. `timed_lock` is the in-process SQLite writer lock with a deadline, so a held lock becomes a
+it. `WriterLock` is the in-process SQLite writer lock with a timeout, so a held store becomes a
 503 within `WRITE_LOCK_TIMEOUT_S` instead of a queue of blocked threads.
 """
 
@@ -16,24 +16,57 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from sqlalchemy.exc import OperationalError
+
 from timwatch.monitor.core.errors import StoreUnavailable
 
-__all__ = ["WRITE_LOCK_TIMEOUT_S", "WriteHealth", "timed_lock"]
+__all__ = ["WRITE_LOCK_TIMEOUT_S", "WRITE_QUEUE_CAP_S", "WriteHealth", "WriterLock"]
 
-#: seconds a writer waits for the in-process SQLite writer lock before `StoreUnavailable`; with
-#: the file's busy timeout (``db.SQLITE_BUSY_TIMEOUT_S``) a write on a held store ends within 1 s
+#: seconds one holder may keep the in-process SQLite writer lock before the writers queued behind
+#: it give up; with the file's busy timeout (``db.SQLITE_BUSY_TIMEOUT_S``) every write on a held
+#: store ends within 1 s
 WRITE_LOCK_TIMEOUT_S = 0.5
+#: seconds a writer queues behind a store that is making progress before it gives up anyway
+WRITE_QUEUE_CAP_S = 5.0
 
 
-@contextmanager
-def timed_lock(lock: threading.Lock, timeout: float = WRITE_LOCK_TIMEOUT_S) -> Iterator[None]:
-    """Hold `lock`, or raise `StoreUnavailable` if another writer keeps it past `timeout`."""
-    if not lock.acquire(timeout=timeout):
-        raise StoreUnavailable(f"store busy: another write held the lock for over {timeout:g} s")
-    try:
-        yield
-    finally:
-        lock.release()
+class WriterLock:
+    """The in-process SQLite writer lock, acquired with a timeout that tells a stuck store from
+    a busy one. A queued writer gives up (`StoreUnavailable`) when the holder has held the lock
+    for `stuck` seconds since the writer came, when a holder's transaction failed on the
+    database (locked, full, read-only) while it waited, or after `cap` seconds in all. Writers
+    queued behind a healthy store (holders change every few milliseconds) wait their turn;
+    writers behind a locked file fail together as soon as the first of them does."""
+
+    def __init__(self, stuck: float = WRITE_LOCK_TIMEOUT_S, cap: float = WRITE_QUEUE_CAP_S) -> None:
+        self.stuck, self.cap = stuck, cap
+        self._lock = threading.Lock()
+        self._since = 0.0  # monotonic time the current holder took the lock
+        self._failed = 0.0  # monotonic time a holder's transaction last failed on the database
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        start = time.monotonic()
+        while not self._lock.acquire(timeout=min(0.05, self.stuck)):
+            now = time.monotonic()
+            if self._failed > start:
+                raise StoreUnavailable("store busy: the write ahead of this one failed")
+            # a holder that took the lock before this writer came counts from its arrival
+            if now - max(self._since, start) > self.stuck or now - start > self.cap:
+                raise StoreUnavailable(
+                    f"store busy: a write has held the lock for over {self.stuck:g} s"
+                )
+        if self._failed > start:  # the lock came free because the write ahead of this failed
+            self._lock.release()
+            raise StoreUnavailable("store busy: the write ahead of this one failed")
+        self._since = time.monotonic()
+        try:
+            yield
+        except OperationalError:
+            self._failed = time.monotonic()
+            raise
+        finally:
+            self._lock.release()
 
 
 @dataclass

@@ -9,7 +9,6 @@ race on primary keys; the loser gets an IntegrityError and retries on the new st
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ from timwatch.monitor.core.accumulator import Accumulator
 from timwatch.monitor.core.errors import StoreUnavailable
 from timwatch.monitor.core.row import derive_row
 from timwatch.monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
-from timwatch.monitor.store.health import WriteHealth, timed_lock
+from timwatch.monitor.store.health import WriteHealth, WriterLock
 from timwatch.monitor.store.models import (
     METRIC_COLUMNS,
     BatchRecord,
@@ -70,7 +69,7 @@ class Store:
         )  # fmt: skip
         self._writer = self.engine.execution_options(timwatch_write=True)
         # SQLite has one writer at a time anyway; queueing in-process avoids busy-wait spins.
-        self._write_lock: threading.Lock | None = threading.Lock() if self.sqlite else None
+        self._write_lock: WriterLock | None = WriterLock() if self.sqlite else None
         self.health = WriteHealth()  # outcomes of writes and pings, in memory (/healthz)
         if migrate:
             self._guard(lambda: upgrade(self.engine))
@@ -90,7 +89,7 @@ class Store:
             raise
 
     def _writing(self) -> AbstractContextManager[Any]:
-        return timed_lock(self._write_lock) if self._write_lock is not None else nullcontext()
+        return self._write_lock.hold() if self._write_lock is not None else nullcontext()
 
     def ping(self) -> None:
         """One trivial query; its outcome is recorded in `health` (the service pings in the

@@ -3,6 +3,8 @@ and the ingest slots refuse the one past the limit with 503 + Retry-After."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from timwatch.monitor.core.errors import ApiError
@@ -25,13 +27,21 @@ def test_reservations_share_the_budget_and_are_given_back_on_errors() -> None:
 
 
 def test_ingest_slots_refuse_past_the_limit_and_free_on_exit() -> None:
-    slots = IngestSlots(2)
-    with slots, slots:
-        with pytest.raises(ApiError) as refused:
-            slots.check()
-        assert refused.value.status == 503 and refused.value.reason == "overloaded"
-        with pytest.raises(ApiError), slots:
-            pass
-        assert slots.busy == 2
-    assert slots.busy == 0
-    slots.check()
+    async def go() -> None:
+        slots = IngestSlots(2, wait=0.01)
+        async with slots.enter(), slots.enter():
+            assert slots.busy == 2
+            with pytest.raises(ApiError) as refused:
+                async with slots.enter():
+                    pass
+            assert refused.value.status == 503 and refused.value.reason == "overloaded"
+            assert refused.value.headers["Retry-After"] == "1"
+        assert slots.busy == 0
+        async with slots.enter(0.0):  # no wait: still admitted while a slot is free
+            assert slots.busy == 1
+        with pytest.raises(RuntimeError):
+            async with slots.enter():
+                raise RuntimeError("the ingest failed")
+        assert slots.busy == 0
+
+    asyncio.run(go())

@@ -1,7 +1,7 @@
 """``POST /v1/runs/{run}/batches``: the HTTP side of `timwatch.monitor.service.ingest`.
 
-Admission first (`timwatch.monitor.service.admission`): a free ingest slot, then the body's bytes
-in the in-flight budget, both held until the answer; either refusal is 503 + ``Retry-After``.
+Admission (`timwatch.monitor.service.admission`): the body's bytes in the in-flight budget, then
+a free ingest slot, both held until the answer; either refusal is 503 + ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -52,10 +52,9 @@ async def ingest(
     check_run(run)  # before the body is read: a bad id costs no upload
     wanted = policy_names(masks)
     tags = {k: v for k, _, v in (t.partition("=") for t in tag or [])}
-    serving.slots.check()  # every slot waits on the store: refuse before the upload
     with serving.budget.reservation("overloaded") as held:
         body = await read_body(request, settings.max_body, "too_large", held)
-        with serving.slots:
+        async with serving.slots.enter(0.0 if store.health.failing else None):
             answer = await run_in_threadpool(
                 ingest_batch, store, runs, run, body, request.headers.get("content-type", ""),
                 params=settings.params, nonfinite=settings.nonfinite, masks=wanted, tags=tags,
