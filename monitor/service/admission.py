@@ -10,8 +10,7 @@ plain integers need no lock):
 * `IngestSlots`: how many ingests may be in the threadpool (parsing, kernel, waiting for the
   store) at once. A stuck store then holds at most that many threads; the next ingest waits
   `SLOT_WAIT_S` for a slot (not at all while the store's last write failed), then gets 503
-  instead of queueing without bound, and ``/metrics``,
-  ``/healthz`` and reads keep their threads.
+  instead of queueing without bound, and ``/metrics``, ``/healthz`` and reads keep their threads.
 
 A refused body is never buffered: uvicorn reads the rest of an upload it already answered and
 drops it (closing instead would reset the connection before the client reads the 503).
@@ -108,6 +107,12 @@ class IngestSlots:
         self.busy = 0
         self._free: asyncio.Semaphore | None = None  # made on the serving loop, on first use
 
+    def _refused(self) -> ApiError:
+        return overloaded(
+            f"server busy: {self.limit} ingests already wait for the store; retry shortly",
+            "overloaded",
+        )
+
     @asynccontextmanager
     async def enter(self, wait: float | None = None) -> AsyncIterator[None]:
         """Hold a slot for the block; `wait` (default `self.wait`) 0 refuses at once when none
@@ -115,19 +120,15 @@ class IngestSlots:
         if self._free is None:
             self._free = asyncio.Semaphore(self.limit)
         wait = self.wait if wait is None else wait
-        refused = overloaded(
-            f"server busy: {self.limit} ingests already wait for the store; retry shortly",
-            "overloaded",
-        )
         if not self._free.locked():
             await self._free.acquire()  # a free slot: returns at once
         elif wait <= 0:
-            raise refused
+            raise self._refused()
         else:
             try:
                 await asyncio.wait_for(self._free.acquire(), wait)
             except TimeoutError:
-                raise refused from None
+                raise self._refused() from None
         self.busy += 1
         try:
             yield

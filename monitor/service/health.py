@@ -38,8 +38,11 @@ class Pinger:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop pinging; waits up to `timeout` for a ping in flight (before the store closes)."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

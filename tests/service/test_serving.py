@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import errno
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -294,3 +295,26 @@ def test_chunked_body_over_max_body_is_cut_off_with_413(server_factory: Factory)
         expo = counters(c.get("/metrics").text)
     assert health.status_code == 200 and health.json()["inflight_bytes"] == 0
     assert expo["timwatch_rejected_batches_total{reason=too_large}"] == 1
+
+
+def test_a_client_that_disconnects_mid_upload_gives_its_bytes_back(server_factory: Factory) -> None:
+    srv = server_factory(args=["--max-body", "1000000", "--max-inflight", "1000000"])
+    head = (
+        b"POST /v1/runs/gone/batches HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/x-safetensors\r\nContent-Length: 900000\r\n\r\n"
+    )
+    with httpx.Client(base_url=srv.url, timeout=10.0) as c:
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+            sock.sendall(head + b"\0" * 1000)
+            for _ in range(200):
+                if c.get("/healthz").json()["inflight_bytes"] == 900000:
+                    break
+                threading.Event().wait(0.05)
+            assert c.get("/healthz").json()["inflight_bytes"] == 900000
+        for _ in range(200):  # the disconnect reaches the server's body read
+            if c.get("/healthz").json()["inflight_bytes"] == 0:
+                break
+            threading.Event().wait(0.05)
+        assert c.get("/healthz").json()["inflight_bytes"] == 0
+        ok = post(c, "gone", raw_batch(3, step=1), "safetensors")
+    assert ok.status_code == 200, ok.text
