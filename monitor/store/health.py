@@ -43,6 +43,7 @@ class WriterLock:
         self._lock = threading.Lock()
         self._since = 0.0  # monotonic time the current holder took the lock
         self._failed = 0.0  # monotonic time a holder's transaction last failed on the database
+        self._why = ""  # and the database's message
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -50,7 +51,7 @@ class WriterLock:
         while not self._lock.acquire(timeout=min(0.05, self.stuck)):
             now = time.monotonic()
             if self._failed > start:
-                raise StoreUnavailable("store busy: the write ahead of this one failed")
+                raise self._behind_failure()
             # a holder that took the lock before this writer came counts from its arrival
             if now - max(self._since, start) > self.stuck or now - start > self.cap:
                 raise StoreUnavailable(
@@ -58,15 +59,20 @@ class WriterLock:
                 )
         if self._failed > start:  # the lock came free because the write ahead of this failed
             self._lock.release()
-            raise StoreUnavailable("store busy: the write ahead of this one failed")
+            raise self._behind_failure()
         self._since = time.monotonic()
         try:
             yield
-        except OperationalError:
+        except OperationalError as e:
+            lines = str(e.orig or e).strip().splitlines()
+            self._why = lines[0][:200] if lines else type(e).__name__
             self._failed = time.monotonic()
             raise
         finally:
             self._lock.release()
+
+    def _behind_failure(self) -> StoreUnavailable:
+        return StoreUnavailable(f"{self._why} (the write ahead of this one failed)")
 
 
 @dataclass

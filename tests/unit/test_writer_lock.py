@@ -60,7 +60,12 @@ def test_writers_queued_behind_a_failed_transaction_give_up_with_it() -> None:
         held = pool.submit(holder)
         assert taken.wait(30)
         waiting.set()
-        with pytest.raises(StoreUnavailable, match="ahead of this one failed"), lock.hold():
+        with (
+            pytest.raises(
+                StoreUnavailable, match=r"database is locked \(the write ahead of this one failed\)"
+            ),
+            lock.hold(),
+        ):
             pass
         held.result()
 
