@@ -1,19 +1,23 @@
 """The incremental ``/metrics`` renderer answers byte for byte what a full ``prometheus_client``
 render answers for the same state, after any sequence of observe / reject / evict, and re-renders
-only the runs that changed."""
+only the runs that changed; ``/metrics`` and ``/healthz`` need no thread of the shared pool."""
 
 from __future__ import annotations
 
 import random
 import time
 
+import anyio
+import anyio.to_thread
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.batches import random_batch
+from tests.helpers.inproc import InProcessApp
 from timwatch.monitor.core.accumulator import Accumulator
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import accumulate
+from timwatch.monitor.core.jsoncodec import dumps
 from timwatch.monitor.core.row import derive_row
 from timwatch.monitor.service.exporter import make_registry, render
 from timwatch.monitor.service.exposition import Exposition
@@ -90,3 +94,37 @@ def test_only_changed_runs_are_rendered_and_evicted_runs_drop_out() -> None:
     runs.evict(float("inf"))
     assert expo.render() == render(make_registry(runs))
     assert b'run="' not in expo.render()
+
+
+def test_metrics_and_healthz_answer_with_every_worker_thread_taken(app: InProcessApp) -> None:
+    """What ingests blocked on a stuck store do to the shared AnyIO threadpool, done directly:
+    every token of its limiter is held. /metrics (own thread) and /healthz (memory) answer."""
+    holders = [object() for _ in range(200)]
+
+    async def take_all() -> int:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        for h in holders[: int(limiter.total_tokens)]:
+            await limiter.acquire_on_behalf_of(h)
+        return int(limiter.total_tokens)
+
+    async def give_back(n: int) -> None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        for h in holders[:n]:
+            limiter.release_on_behalf_of(h)
+
+    with app.client() as c:
+        assert c.post("/v1/runs/r1/batches", content=dumps(_raw_json(1))).status_code == 200
+        taken = app.portal.call(take_all)
+        try:
+            assert taken >= 1
+            metrics = c.get("/metrics")
+            health = c.get("/healthz")
+        finally:
+            app.portal.call(give_back, taken)
+        assert c.get("/v1/runs").status_code == 200  # the pool works again
+    assert metrics.status_code == 200 and 'timwatch_batches_total{run="r1"} 1.0' in metrics.text
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def _raw_json(seed: int) -> object:
+    return random_batch(np.random.default_rng(seed), n_seq=3, optional="none").to_json_obj()
