@@ -43,6 +43,14 @@ def serve(
         bool, typer.Option("--insecure", help="allow a non-loopback bind without a write token")
     ] = False,
     max_body: Annotated[int, typer.Option(help="largest request body, bytes")] = DEFAULT_MAX_BODY,
+    max_inflight: Annotated[
+        int | None,
+        typer.Option(
+            help="request-body bytes read or processed at once, server-wide (more: 503); "
+            "default 4 × --max-body",
+            show_default=False,
+        ),
+    ] = None,
     run_ttl: Annotated[
         float,
         typer.Option(help="seconds an idle, unfinished run stays in /metrics (stall alerts)"),
@@ -63,7 +71,7 @@ def serve(
 
     settings = Settings(
         host=host, port=port, db_url=db, token=token or None, read_token=read_token or None,
-        max_body=max_body, run_ttl=run_ttl, finish_grace=finish_grace,
+        max_body=max_body, max_inflight=max_inflight, run_ttl=run_ttl, finish_grace=finish_grace,
         nonfinite=check_nonfinite(nonfinite), params=params, insecure=insecure,
     )  # fmt: skip
     run_server(settings, log_level=log_level)

@@ -65,6 +65,15 @@ def _chunk_digest(data: memoryview) -> bytes:
     return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest()
 
 
+def _leaf_digests(chunks: list[memoryview]) -> list[bytes]:
+    if len(chunks) > 2:
+        try:
+            return list(_pool().map(_chunk_digest, chunks))
+        except RuntimeError:  # interpreter shutdown (an atexit flush): no new threads
+            pass
+    return [_chunk_digest(c) for c in chunks]
+
+
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
@@ -98,10 +107,7 @@ def batch_digest(batch: Batch) -> str:
         chunks = [raw[i : i + CHUNK_BYTES] for i in range(0, max(len(raw), 1), CHUNK_BYTES)]
         fields.append((f"{name}:{arr.dtype.str}:{arr.shape[0]};".encode(), chunks))
     every = [c for _, chunks in fields for c in chunks]
-    if len(every) > 2:
-        digests = iter(list(_pool().map(_chunk_digest, every)))
-    else:
-        digests = iter([_chunk_digest(c) for c in every])
+    digests = iter(_leaf_digests(every))
     h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     h.update(
         f"step={batch.step};policy_version={batch.policy_version};"

@@ -1,11 +1,13 @@
 """The timwatch HTTP API (docs/reference/api.md): `create_app` builds one app's state and
 includes the routers of `timwatch.monitor.service.routes`.
 
-Per app, on ``app.state``: ``settings``, ``store``, ``runs`` (the live `RunRegistry`) and
-``registry`` (its own Prometheus collector registry, so many apps can live in one process).
+Per app, on ``app.state``: ``settings``, ``store``, ``runs`` (the live `RunRegistry`),
+``registry`` (its own Prometheus collector registry, so many apps can live in one process) and
+``serving`` (`Serving`: incremental exposition, in-flight budget, ingest slots, store pinger).
 The event loop only moves bytes: parsing, validation, the metric kernel and the database
 transaction of a batch all run in the threadpool, so one big batch never stalls scrapes or
-other clients.
+other clients. ``/metrics`` renders on its own thread and ``/healthz`` answers from memory, so
+neither waits behind ingests blocked on the store.
 """
 
 from __future__ import annotations
@@ -19,18 +21,18 @@ from fastapi.responses import Response
 
 from timwatch.monitor.core.errors import ApiError
 from timwatch.monitor.core.version import __version__
+from timwatch.monitor.service.admission import RETRY_AFTER_S
 from timwatch.monitor.service.exporter import make_registry
 from timwatch.monitor.service.responses import encode_masks, json_response, metric_column
 from timwatch.monitor.service.routes import ROUTERS
 from timwatch.monitor.service.runs import RunRegistry
+from timwatch.monitor.service.serving import Serving
 from timwatch.monitor.service.settings import Settings
 from timwatch.monitor.store import Store, StoreUnavailable
 
 __all__ = ["ApiError", "create_app", "encode_masks", "metric_column"]
 
 log = logging.getLogger("timwatch.api")
-
-RETRY_AFTER_S = "1"
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -52,14 +54,19 @@ async def _store_down(request: Request, exc: StoreUnavailable) -> Response:
 
 def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     """The ASGI app. Opens (and migrates) the store unless one is given; closes it on
-    shutdown either way."""
+    shutdown either way. The store pinger runs while the lifespan does."""
     db = store if store is not None else Store(settings.db_url)
     runs = RunRegistry(ttl=settings.run_ttl, finish_grace=settings.finish_grace)
+    serving = Serving.build(settings, db, runs)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        yield
-        db.close()
+        serving.start()
+        try:
+            yield
+        finally:
+            serving.stop()
+            db.close()
 
     app = FastAPI(
         title="timwatch",
@@ -69,6 +76,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     )
     app.state.settings, app.state.store, app.state.runs = settings, db, runs
     app.state.registry = make_registry(runs)
+    app.state.serving = serving
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(StoreUnavailable)(_store_down)
     for router in ROUTERS:

@@ -1,9 +1,10 @@
 """The service's dependencies: per-app state, authentication, the size-limited body and the
 policy parameters of a request.
 
-`create_app` puts ``settings``, ``store``, ``runs`` and ``registry`` on ``app.state``; every
-route reaches them only through the ``*Dep`` types below, so a route's signature says what it
-uses. The state dependencies are ``async`` so they resolve on the event loop, not in a thread.
+`create_app` puts ``settings``, ``store``, ``runs``, ``registry`` and ``serving`` on
+``app.state``; every route reaches them only through the ``*Dep`` types below, so a route's
+signature says what it uses. The state dependencies are ``async`` so they resolve on the event
+loop, not in a thread.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from prometheus_client import CollectorRegistry
 
 from timwatch.monitor.core.errors import ApiError
 from timwatch.monitor.core.masks import PolicyParams
+from timwatch.monitor.service.admission import Reservation
 from timwatch.monitor.service.params import PolicyQuery, apply_query
 from timwatch.monitor.service.runs import RunRegistry
+from timwatch.monitor.service.serving import Serving
 from timwatch.monitor.service.settings import Settings
 from timwatch.monitor.store import Store
 
@@ -25,10 +28,12 @@ __all__ = [
     "CollectorRegistryDep",
     "PolicyParamsDep",
     "RunsDep",
+    "ServingDep",
     "SettingsDep",
     "StoreDep",
     "get_collector_registry",
     "get_runs",
+    "get_serving",
     "get_settings",
     "get_store",
     "policy_params",
@@ -53,6 +58,11 @@ async def get_runs(request: Request) -> RunRegistry:
     return runs
 
 
+async def get_serving(request: Request) -> Serving:
+    serving: Serving = request.app.state.serving
+    return serving
+
+
 async def get_collector_registry(request: Request) -> CollectorRegistry:
     registry: CollectorRegistry = request.app.state.registry
     return registry
@@ -62,6 +72,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]
 RunsDep = Annotated[RunRegistry, Depends(get_runs)]
 CollectorRegistryDep = Annotated[CollectorRegistry, Depends(get_collector_registry)]
+ServingDep = Annotated[Serving, Depends(get_serving)]
 
 
 def _bearer(request: Request) -> str | None:
@@ -90,20 +101,29 @@ async def require_read(request: Request, settings: SettingsDep) -> None:
         raise ApiError(401, "unauthorized", headers={"WWW-Authenticate": "Bearer"})
 
 
-async def read_body(request: Request, limit: int, reason: str | None) -> bytes:
+async def read_body(request: Request, limit: int, reason: str | None, held: Reservation) -> bytes:
     """The request body, refused with 413 as soon as the declared or the streamed size passes
     `limit` (a body is never held past it), counted under `reason` when one is given.
+
+    Its bytes are reserved in `held` (the server's in-flight budget): a declared length all at
+    once before anything is read, a chunked body chunk by chunk; 503 + ``Retry-After`` when they
+    do not fit. The caller releases `held` when the request is done.
 
     A plain function the route awaits, not a dependency, so the route's cheaper checks
     (run id, policy names) answer first, as they always have."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    length = int(declared) if declared is not None and declared.isdigit() else None
+    if length is not None and length > limit:
         raise ApiError(413, f"body exceeds {limit} bytes", reason=reason)
+    if length is not None:
+        held.take(length)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"body exceeds {limit} bytes", reason=reason)
+        if length is None:
+            held.take(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -10,7 +10,7 @@ Everything exported is additive (``_sum``/``_count``, counters, cumulative bucke
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -144,9 +144,16 @@ class TimwatchCollector(Collector):
         self.runs = runs
 
     def collect(self) -> Iterator[Metric]:
-        states = self.runs.snapshot()
+        yield from self.families(self.runs.snapshot(), self.runs.rejected())
+
+    def families(
+        self, states: list[RunState], rejected: Mapping[str, int] | None
+    ) -> Iterator[Metric]:
+        """Every family, always in the same order, with the samples of `states` (in their
+        order) and, unless `rejected` is None, the run-less samples taken from it.
+        `timwatch.monitor.service.exposition` renders runs and run-less samples apart."""
         yield from self._summaries(states)
-        yield from self._counters(states)
+        yield from self._counters(states, rejected)
         yield from self._histograms(states)
         yield from self._gauges(states)
 
@@ -162,7 +169,9 @@ class TimwatchCollector(Collector):
                     )
                 yield fam
 
-    def _counters(self, states: list[RunState]) -> Iterator[Metric]:
+    def _counters(
+        self, states: list[RunState], rejected_counts: Mapping[str, int] | None
+    ) -> Iterator[Metric]:
         for name, doc, attr in _COUNTERS:
             fam = CounterMetricFamily(name, doc, labels=["run"])
             for s in states:
@@ -189,10 +198,10 @@ class TimwatchCollector(Collector):
         rejected = CounterMetricFamily(
             "timwatch_rejected_batches",
             "Batches refused, by reason (validation, too_large, unauthorized, store_unavailable,"
-            " conflict).",
+            " conflict, overloaded).",
             labels=["reason"],
         )
-        for reason, n in self.runs.rejected().items():
+        for reason, n in (rejected_counts or {}).items():
             rejected.add_metric([reason], float(n))
         yield rejected
         dropped = CounterMetricFamily(

@@ -11,6 +11,8 @@ __all__ = [
     "EVENTS_RESPONSES",
     "FINISH_DESCRIPTION",
     "FINISH_RESPONSES",
+    "HEALTHZ_DESCRIPTION",
+    "HEALTHZ_RESPONSES",
     "INGEST_DESCRIPTION",
     "INGEST_RESPONSES",
     "MASKS_DESCRIPTION",
@@ -133,7 +135,12 @@ INGEST_RESPONSES: dict[int | str, dict[str, Any]] = {
         field="logp_rollout",
         index=3,
     ),
-    503: error("Store down or locked; retry after the Retry-After seconds.", "store unavailable"),
+    503: error(
+        "Store down, locked (writers wait at most 1 s), or the server is overloaded (in-flight "
+        "body budget --max-inflight spent, or every ingest slot waiting for the store); nothing "
+        "stored: retry after the Retry-After seconds.",
+        "store unavailable: database is locked",
+    ),
 }
 
 FINISH_DESCRIPTION = """
@@ -255,4 +262,52 @@ EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     404: error("Unknown run.", "run 'x' not found"),
+}
+
+HEALTHZ_DESCRIPTION = """
+Answered from memory, never by querying the store: the outcome of the most recent write
+attempt and of a background store ping (every 5 s). 200 `"status": "ok"`; 503
+`"status": "degraded"` while the last write attempt failed (disk full, read-only, locked,
+unreachable) or the last ping failed or has been unanswered for over 5 s, with the error in
+`write_error` / `ping_error`; 200 again after the next successful write (and ping).
+"""
+
+_HEALTH = {
+    "status": "ok",
+    "store": "sqlite:////var/lib/timwatch/timwatch.db (WAL)",
+    "writes_protected": True,
+    "reads_protected": False,
+    "live_runs": 3,
+    "write_error": None,
+    "last_write_error": None,
+    "last_write_error_at": None,
+    "last_write_ok_at": 1764403600.0,
+    "consecutive_write_failures": 0,
+    "ping_error": None,
+    "last_ping_ok_at": 1764403601.0,
+    "consecutive_ping_failures": 0,
+    "inflight_bytes": 0,
+    "inflight_budget": 1073741824,
+}
+
+HEALTHZ_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Serving, and the last write and ping succeeded (or none happened yet).",
+        "content": {"application/json": {"example": _HEALTH}},
+    },
+    503: {
+        "description": "Degraded: the last write attempt or store ping failed.",
+        "content": {
+            "application/json": {
+                "example": {
+                    **_HEALTH,
+                    "status": "degraded",
+                    "write_error": "database or disk is full",
+                    "last_write_error": "database or disk is full",
+                    "last_write_error_at": 1764403700.0,
+                    "consecutive_write_failures": 4,
+                }
+            }
+        },
+    },
 }

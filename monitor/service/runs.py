@@ -27,8 +27,11 @@ __all__ = [
 ]
 
 #: the fixed label set of ``timwatch_rejected_batches_total{reason}``; ``conflict``: a known
-#: ``batch_id`` posted again with different content (409)
-REJECT_REASONS = ("validation", "too_large", "unauthorized", "store_unavailable", "conflict")
+#: ``batch_id`` posted again with different content (409); ``overloaded``: no ingest slot or
+#: in-flight budget left (503)
+REJECT_REASONS = (
+    "validation", "too_large", "unauthorized", "store_unavailable", "conflict", "overloaded",
+)  # fmt: skip
 
 
 @dataclass
@@ -43,18 +46,24 @@ class RunState:
     last_batch_ts: float  # wall clock of the last accepted batch
     tap_dropped: int = 0  # batches the run's taps reported dropping (Timwatch-Tap-Dropped)
     finished_m: float | None = None  # time.monotonic() of finish; None while running
+    version: int = 0  # registry-wide counter value of the last change (render cache key)
 
 
 @dataclass
 class RunRegistry:
     """Thread-safe map run → RunState plus rejection counters; idle runs expire after ``ttl``,
-    finished ones ``finish_grace`` after their finish."""
+    finished ones ``finish_grace`` after their finish.
+
+    Every change to a run's state gives it a fresh ``version`` from one registry-wide counter,
+    so a (run, version) pair names one exact state even across eviction and re-creation.
+    """
 
     ttl: float = DEFAULT_RUN_TTL
     finish_grace: float = DEFAULT_FINISH_GRACE
     _runs: dict[str, RunState] = field(default_factory=dict)
     _rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _clock: int = 0
 
     def observe(
         self, run: str, acc: Accumulator, row: dict[str, Any], step: int, tap_dropped: int = 0
@@ -67,10 +76,14 @@ class RunRegistry:
         """
         now_m, now_w = time.monotonic(), time.time()
         with self._lock:
+            self._clock += 1
             cur = self._runs.get(run)
             if cur is None:
-                self._runs[run] = RunState(run, acc, row, step, now_m, now_w, tap_dropped)
+                self._runs[run] = RunState(
+                    run, acc, row, step, now_m, now_w, tap_dropped, version=self._clock
+                )
             else:
+                cur.version = self._clock
                 cur.acc = cur.acc.merge(acc)
                 cur.last_seen, cur.last_batch_ts = now_m, now_w
                 cur.tap_dropped += tap_dropped
@@ -88,6 +101,8 @@ class RunRegistry:
                 return False
             if cur.finished_m is None:
                 cur.finished_m = now
+                self._clock += 1
+                cur.version = self._clock  # timwatch_run_finished changed: re-render the run
             return True
 
     def reject(self, reason: str) -> None:

@@ -50,6 +50,13 @@ def check_settings(settings: Settings) -> None:
         raise ConfigError(f"port must be 1–65535, got {settings.port}")
     if settings.nonfinite not in ("refuse", "drop"):
         raise ConfigError(f"nonfinite must be 'refuse' or 'drop', got {settings.nonfinite!r}")
+    if settings.max_body <= 0:
+        raise ConfigError(f"--max-body must be positive, got {settings.max_body}")
+    if settings.inflight_budget < settings.max_body:
+        raise ConfigError(
+            f"--max-inflight ({settings.inflight_budget}) must be at least --max-body "
+            f"({settings.max_body}): a largest body could never be admitted"
+        )
     check_bind(settings)
     check_url(settings.db_url)
 

@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_FINISH_GRACE",
     "DEFAULT_MAX_BODY",
     "DEFAULT_RUN_TTL",
+    "INFLIGHT_BODIES",
     "Settings",
     "is_loopback",
 ]
@@ -29,6 +30,10 @@ DEFAULT_MAX_BODY = 256 * 1024 * 1024
 DEFAULT_RUN_TTL = 86400.0
 #: seconds a finished run (``POST /v1/runs/{run}/finish``) stays in /metrics
 DEFAULT_FINISH_GRACE = 300.0
+#: the in-flight budget is this many largest bodies unless --max-inflight says otherwise: four
+#: producers may upload full-size batches at once (1 GiB with the default --max-body), which
+#: bounds the memory bodies can pin while leaving headroom for the parse copies of each
+INFLIGHT_BODIES = 4
 
 
 def _default_params() -> PolicyParams:
@@ -47,6 +52,7 @@ class Settings:
     token: str | None = None
     read_token: str | None = None
     max_body: int = DEFAULT_MAX_BODY
+    max_inflight: int | None = None  # bytes; None: INFLIGHT_BODIES × max_body
     run_ttl: float = DEFAULT_RUN_TTL
     finish_grace: float = DEFAULT_FINISH_GRACE
     nonfinite: Literal["refuse", "drop"] = "refuse"
@@ -62,6 +68,13 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def inflight_budget(self) -> int:
+        """Request-body bytes the server reads or processes at once (``--max-inflight``)."""
+        return (
+            self.max_inflight if self.max_inflight is not None else INFLIGHT_BODIES * self.max_body
+        )
 
     @property
     def writes_protected(self) -> bool:

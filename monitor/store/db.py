@@ -12,12 +12,25 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from timwatch.monitor.core.errors import ConfigError
 
-__all__ = ["check_url", "describe_url", "is_sqlite", "make_engine", "upgrade"]
+__all__ = [
+    "PG_LOCK_TIMEOUT_S",
+    "SQLITE_BUSY_TIMEOUT_S",
+    "check_url",
+    "describe_url",
+    "is_sqlite",
+    "make_engine",
+    "upgrade",
+]
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
-#: seconds a writer waits on a locked SQLite file before the API answers 503
-SQLITE_BUSY_TIMEOUT_S = 5.0
+#: seconds a writer waits on a locked SQLite file before the API answers 503 (after at most
+#: ``health.WRITE_LOCK_TIMEOUT_S`` in the in-process queue: 1 s in all)
+SQLITE_BUSY_TIMEOUT_S = 0.5
+#: seconds a PostgreSQL statement waits for a row or table lock before the API answers 503
+PG_LOCK_TIMEOUT_S = 1.0
+#: seconds a PostgreSQL caller waits for a pooled connection before the API answers 503
+PG_POOL_TIMEOUT_S = 2.0
 
 
 POSTGRES_HINT = "postgresql+psycopg://USER:PASSWORD@HOST:5432/DB"
@@ -116,6 +129,8 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", **kwargs: Any) ->
     process crash and saved under a millisecond per batch in our measurement) and
     ``BEGIN IMMEDIATE`` on write transactions (``execution_options(timwatch_write=True)``) so
     a writer takes the lock up front instead of failing on upgrade from a read lock.
+    PostgreSQL gets ``lock_timeout`` = `PG_LOCK_TIMEOUT_S` on every connection, so a row or
+    table lock held elsewhere fails the statement (503) instead of hanging the request.
     A URL that cannot work raises `ConfigError` first (`check_url`).
     """
     u = check_url(url)
@@ -148,9 +163,14 @@ def make_engine(url: str, *, sqlite_synchronous: str = "FULL", **kwargs: Any) ->
 
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    # 10 + 24 connections: every ingest the service admits at once (INGEST_SLOTS) has one
     kwargs.setdefault("pool_size", 10)
-    kwargs.setdefault("max_overflow", 10)
-    return create_engine(u, **kwargs)
+    kwargs.setdefault("max_overflow", 24)
+    kwargs.setdefault("pool_timeout", PG_POOL_TIMEOUT_S)
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    options = connect_args.get("options", "")
+    connect_args["options"] = f"{options} -c lock_timeout={int(PG_LOCK_TIMEOUT_S * 1000)}".strip()
+    return create_engine(u, connect_args=connect_args, **kwargs)
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:

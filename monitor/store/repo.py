@@ -10,7 +10,6 @@ race on primary keys; the loser gets an IntegrityError and retries on the new st
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -23,6 +22,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from timwatch.monitor.core.errors import StoreUnavailable
 from timwatch.monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
+from timwatch.monitor.store.health import WriteHealth, WriterLock
 from timwatch.monitor.store.models import (
     METRIC_COLUMNS,
     BatchRecord,
@@ -58,7 +58,8 @@ class Store:
         )  # fmt: skip
         self._writer = self.engine.execution_options(timwatch_write=True)
         # SQLite has one writer at a time anyway; queueing in-process avoids busy-wait spins.
-        self._write_lock: threading.Lock | None = threading.Lock() if self.sqlite else None
+        self._write_lock: WriterLock | None = WriterLock() if self.sqlite else None
+        self.health = WriteHealth()  # outcomes of writes and pings, in memory (/healthz)
         if migrate:
             self._guard(lambda: upgrade(self.engine))
 
@@ -77,14 +78,18 @@ class Store:
             raise
 
     def _writing(self) -> AbstractContextManager[Any]:
-        return self._write_lock if self._write_lock is not None else nullcontext()
+        return self._write_lock.hold() if self._write_lock is not None else nullcontext()
 
     def ping(self) -> None:
+        """One trivial query; its outcome is recorded in `health` (the service pings in the
+        background so ``/healthz`` never waits on the store)."""
+
         def go() -> None:
             with self.engine.connect() as conn:
                 conn.exec_driver_sql("SELECT 1")
 
-        self._guard(go)
+        with self.health.recording("ping"):
+            self._guard(go)
 
     # -- writes ---------------------------------------------------------------------------------
     def find_batch(
@@ -97,7 +102,8 @@ class Store:
             with self.engine.connect() as conn:
                 return replay_of(conn, run, batch_id, digest)
 
-        return self._guard(go)
+        with self.health.recording("write", successes=False):  # an ingest's first step
+            return self._guard(go)
 
     def record_batch(
         self,
@@ -143,7 +149,8 @@ class Store:
                     time.sleep(0.001 * (attempt + 1))
             raise AssertionError("unreachable")
 
-        return self._guard(go)
+        with self.health.recording("write"):
+            return self._guard(go)
 
     def finish_run(self, run: str, now: float | None = None) -> tuple[float, bool] | None:
         """Mark ``run`` finished: ``(finished_at, newly)``, None for an unknown run
@@ -172,7 +179,8 @@ class Store:
                     )
                 )
 
-        self._guard(go)
+        with self.health.recording("write"):
+            self._guard(go)
 
     # -- reads ----------------------------------------------------------------------------------
     def list_runs(self) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ class StandIn:
     def __init__(self) -> None:
         self.script: list[tuple[Any, ...]] = []
         self.requests: list[dict[str, Any]] = []
+        self.arrived = 0  # requests whose body was read (counted before waiting on the gate)
         self.gate = threading.Event()
         self.gate.set()
         outer = self
@@ -33,6 +34,7 @@ class StandIn:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.arrived += 1
                 outer.gate.wait(30)
                 batch = Batch.from_safetensors(body) if self.path.endswith("/batches") else None
                 outer.requests.append(

@@ -48,11 +48,11 @@ def tap_of(url: str, **kw: Any) -> Tap:
     return Tap(url, "q", rank=0, **kw)
 
 
-def until_in_flight(tap: Tap) -> None:
-    """Wait (bounded) until the shipper has taken a batch and hangs on the stand-in."""
+def until_arrived(stand_in: StandIn, n: int = 1) -> None:
+    """Wait (bounded) until `n` requests reached the stand-in (which then hangs on its gate)."""
     deadline = time.monotonic() + 10
-    while tap.stats()["in_flight"] != 1:
-        assert time.monotonic() < deadline, tap.stats()
+    while stand_in.arrived < n:
+        assert time.monotonic() < deadline, stand_in.arrived
         time.sleep(0.01)
 
 
@@ -64,7 +64,7 @@ def test_the_queue_is_bounded_by_bytes_and_drops_the_oldest(stand_in: StandIn) -
     stand_in.gate.clear()  # the monitor hangs
     tap = tap_of(stand_in.url, queue_size=100, max_queue_bytes=3 * SIZE + SIZE // 2)
     assert tap.report(0, **fixed(0))
-    until_in_flight(tap)
+    until_arrived(stand_in)
     for step in range(1, 8):
         assert tap.report(step, **fixed(step))
     st = tap.stats()
@@ -95,7 +95,7 @@ def test_the_next_accepted_post_carries_the_drops_and_resets_them(stand_in: Stan
     stand_in.script = [(200, {}), (503, {"Retry-After": "0"}), (200, {}), (200, {})]
     tap = tap_of(stand_in.url, queue_size=1)
     tap.report(0, **fixed(0))
-    until_in_flight(tap)
+    until_arrived(stand_in)  # step 0's headers are sent: the drops below come after them
     for step in range(1, 5):  # each one displaces the previous: 1, 2, 3 are dropped
         tap.report(step, **fixed(step))
     assert tap.stats()["unreported_drops"] == 3
@@ -121,7 +121,7 @@ def test_drops_ride_on_until_the_monitor_counts_them(stand_in: StandIn) -> None:
     ]
     tap = tap_of(stand_in.url, queue_size=1)
     tap.report(0, **fixed(0))
-    until_in_flight(tap)
+    until_arrived(stand_in)
     tap.report(1, **fixed(1))
     tap.report(2, **fixed(2))  # drops step 1
     stand_in.gate.set()
@@ -153,7 +153,7 @@ def test_drop_warnings_are_rate_limited_and_none_is_lost(
     tap = tap_of(stand_in.url, queue_size=1, drop_log_s=3600)
     with caplog.at_level(logging.WARNING, logger="timwatch.tap"):
         tap.report(0, **fixed(0))
-        until_in_flight(tap)
+        until_arrived(stand_in)
         for step in range(1, 7):  # 5 drops
             tap.report(step, **fixed(step))
         warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
@@ -182,7 +182,7 @@ def test_reused_copy_buffers_never_change_a_batch_that_is_still_queued(stand_in:
     stand_in.gate.clear()
     tap = tap_of(stand_in.url, queue_size=2)
     tap.report(0, **large(0))
-    until_in_flight(tap)
+    until_arrived(stand_in)
     for step in range(1, 8):  # each report reuses the buffers of the batch it displaced
         tap.report(step, **large(step))
     stand_in.gate.set()

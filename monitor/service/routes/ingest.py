@@ -1,5 +1,10 @@
 """``POST /v1/runs/{run}/batches`` (the HTTP side of `timwatch.monitor.service.ingest`) and
-``POST /v1/runs/{run}/finish`` (the end of a run). Both need the write token when one is set."""
+``POST /v1/runs/{run}/finish`` (the end of a run). Both need the write token when one is set.
+
+Admission of a batch (`timwatch.monitor.service.admission`): the body's bytes in the in-flight
+budget, then a free ingest slot, both held until the answer; either refusal is 503 +
+``Retry-After``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,14 @@ from timwatch.monitor.core.errors import ApiError
 from timwatch.monitor.core.runid import check_run_id
 from timwatch.monitor.core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
 from timwatch.monitor.service import openapi_examples as ex
-from timwatch.monitor.service.deps import RunsDep, SettingsDep, StoreDep, read_body, require_write
+from timwatch.monitor.service.deps import (
+    RunsDep,
+    ServingDep,
+    SettingsDep,
+    StoreDep,
+    read_body,
+    require_write,
+)
 from timwatch.monitor.service.ingest import (
     TAP_DROPPED_HEADER,
     check_run,
@@ -50,6 +62,7 @@ async def ingest(
     settings: SettingsDep,
     store: StoreDep,
     runs: RunsDep,
+    serving: ServingDep,
     masks: Annotated[str | None, Query(description="policies (comma-separated) or 'all'")] = None,
     tag: Annotated[list[str] | None, Query(description=TAG_DESCRIPTION)] = None,
     tap_dropped_header: Annotated[
@@ -65,12 +78,14 @@ async def ingest(
     wanted = policy_names(masks)
     tags = check_tags(tag or [])
     tap_dropped = parse_tap_dropped(tap_dropped_header)
-    body = await read_body(request, settings.max_body, "too_large")
-    answer = await run_in_threadpool(
-        ingest_batch, store, runs, run, body, request.headers.get("content-type", ""),
-        params=settings.params, nonfinite=settings.nonfinite, masks=wanted, tags=tags,
-        tap_dropped=tap_dropped,
-    )  # fmt: skip
+    with serving.budget.reservation("overloaded") as held:
+        body = await read_body(request, settings.max_body, "too_large", held)
+        async with serving.slots.enter(0.0 if store.health.failing else None):
+            answer = await run_in_threadpool(
+                ingest_batch, store, runs, run, body, request.headers.get("content-type", ""),
+                params=settings.params, nonfinite=settings.nonfinite, masks=wanted, tags=tags,
+                tap_dropped=tap_dropped,
+            )  # fmt: skip
     return json_response(answer)
 
 

@@ -13,7 +13,13 @@ from starlette.concurrency import run_in_threadpool
 from timwatch.monitor.core.batch import NonFinitePolicy
 from timwatch.monitor.core.masks import PolicyParams, keep_masks
 from timwatch.monitor.service import openapi_examples as ex
-from timwatch.monitor.service.deps import PolicyParamsDep, SettingsDep, read_body, require_write
+from timwatch.monitor.service.deps import (
+    PolicyParamsDep,
+    ServingDep,
+    SettingsDep,
+    read_body,
+    require_write,
+)
 from timwatch.monitor.service.ingest import parse_batch
 from timwatch.monitor.service.params import policy_names
 from timwatch.monitor.service.responses import encode_masks, json_response
@@ -49,10 +55,14 @@ async def masks_endpoint(
     request: Request,
     settings: SettingsDep,
     params: PolicyParamsDep,
+    serving: ServingDep,
     policies: Annotated[str, Query(description="comma-separated policies, or 'all'")] = "all",
 ) -> Response:
     wanted = policy_names(policies)
-    body = await read_body(request, settings.max_body, None)
     ctype = request.headers.get("content-type", "")
-    answer = await run_in_threadpool(compute_masks, body, ctype, wanted, params, settings.nonfinite)
+    with serving.budget.reservation(None) as held:
+        body = await read_body(request, settings.max_body, None, held)
+        answer = await run_in_threadpool(
+            compute_masks, body, ctype, wanted, params, settings.nonfinite
+        )
     return json_response(answer)

@@ -1,18 +1,26 @@
-"""Operations: ``GET /metrics`` (Prometheus exposition, read-protected) and ``GET /healthz``."""
+"""Operations: ``GET /metrics`` (Prometheus exposition, read-protected) and ``GET /healthz``.
+
+Both are ``async`` and never call the store: ``/metrics`` renders the in-memory exposition on its
+own thread (`Serving.metrics_text`), ``/healthz`` reports the write path's recorded outcomes and
+the background ping (`timwatch.monitor.service.health`). Neither needs a thread of the shared
+pool, so ingests blocked on a stuck store cannot delay them.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
+from timwatch.monitor.service import openapi_examples as ex
 from timwatch.monitor.service.deps import (
-    CollectorRegistryDep,
     RunsDep,
+    ServingDep,
     SettingsDep,
     StoreDep,
     require_read,
 )
-from timwatch.monitor.service.exporter import CONTENT_TYPE, render
+from timwatch.monitor.service.exporter import CONTENT_TYPE
+from timwatch.monitor.service.health import health_answer
 from timwatch.monitor.service.responses import json_response
 
 __all__ = ["router"]
@@ -28,23 +36,18 @@ _METRICS_EXAMPLE = 'timwatch_tokens_total{run="grpo-7b"} 1.048576e+06\n'
     responses={200: {"content": {CONTENT_TYPE: {"example": _METRICS_EXAMPLE}}}},
     dependencies=[Depends(require_read)],
 )
-def metrics(registry: CollectorRegistryDep) -> Response:
-    return Response(render(registry), media_type=CONTENT_TYPE)
+async def metrics(serving: ServingDep) -> Response:
+    return Response(await serving.metrics_text(), media_type=CONTENT_TYPE)
 
 
 @router.get(
     "/healthz",
-    summary="Liveness and store check",
-    responses={200: {"content": {"application/json": {"example": {"status": "ok"}}}}},
+    summary="Liveness and write-path health (from memory)",
+    description=ex.HEALTHZ_DESCRIPTION,
+    responses=ex.HEALTHZ_RESPONSES,
 )
-def healthz(settings: SettingsDep, store: StoreDep, runs: RunsDep) -> Response:
-    store.ping()
-    return json_response(
-        {
-            "status": "ok",
-            "store": store.description,
-            "writes_protected": settings.writes_protected,
-            "reads_protected": settings.reads_protected,
-            "live_runs": len(runs),
-        }
-    )
+async def healthz(
+    settings: SettingsDep, store: StoreDep, runs: RunsDep, serving: ServingDep
+) -> Response:
+    body, status = health_answer(settings, store, runs, serving.pinger, serving.budget)
+    return json_response(body, status)

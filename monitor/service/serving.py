@@ -1,0 +1,51 @@
+"""The per-app machinery that keeps the service answering while the store is stuck.
+
+`Serving` holds the incremental ``/metrics`` renderer and the one thread it renders on (never the
+shared AnyIO threadpool, where ingests may be blocked on the store), the in-flight body budget,
+the ingest slots and the background store pinger behind ``/healthz``. `create_app` builds one;
+its lifespan starts and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from timwatch.monitor.service.admission import InflightBudget, IngestSlots
+from timwatch.monitor.service.exposition import Exposition
+from timwatch.monitor.service.health import Pinger
+from timwatch.monitor.service.runs import RunRegistry
+from timwatch.monitor.service.settings import Settings
+from timwatch.monitor.store import Store
+
+__all__ = ["Serving"]
+
+
+@dataclass
+class Serving:
+    exposition: Exposition
+    budget: InflightBudget
+    slots: IngestSlots
+    pinger: Pinger
+    _scrapes: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="timwatch-scrape")
+    )
+
+    @classmethod
+    def build(cls, settings: Settings, store: Store, runs: RunRegistry) -> Serving:
+        return cls(
+            Exposition(runs), InflightBudget(settings.inflight_budget), IngestSlots(), Pinger(store)
+        )
+
+    async def metrics_text(self) -> bytes:
+        """The exposition, rendered on the scrape thread (one scrape at a time)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._scrapes, self.exposition.render)
+
+    def start(self) -> None:
+        self.pinger.start()
+
+    def stop(self) -> None:
+        self.pinger.stop()
+        self._scrapes.shutdown(wait=False, cancel_futures=True)
