@@ -8,6 +8,7 @@ from timwatch.monitor.service.batch_schema import batch_schema
 
 __all__ = [
     "BATCH_BODY",
+    "ERROR_SCHEMA",
     "EVENTS_RESPONSES",
     "FINISH_DESCRIPTION",
     "FINISH_RESPONSES",
@@ -21,6 +22,7 @@ __all__ = [
     "RUNS_RESPONSES",
     "STEP_RESPONSES",
     "error",
+    "read_errors",
 ]
 
 _BATCH = {
@@ -72,11 +74,37 @@ _MASKS = {
 }
 
 
+#: every error answer: ``detail`` is a message (a list of FastAPI's validation errors, each with
+#: the ``loc`` of the bad parameter, for malformed path or query parameters); ``field`` and
+#: ``index`` name what a refused batch got wrong
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["detail"],
+    "properties": {
+        "detail": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "field": {"type": ["string", "null"]},
+        "index": {"type": ["integer", "null"]},
+    },
+}
+
+
 def error(description: str, detail: str, **extra: Any) -> dict[str, Any]:
     return {
         "description": description,
-        "content": {"application/json": {"example": {"detail": detail, **extra}}},
+        "content": {
+            "application/json": {"schema": ERROR_SCHEMA, "example": {"detail": detail, **extra}}
+        },
     }
+
+
+def read_errors() -> dict[int | str, dict[str, Any]]:
+    """What any read of the store can answer besides its own statuses."""
+    return {
+        401: error("Reads need TIMWATCH_READ_TOKEN (or the write token) when one is set.",
+                   "unauthorized"),
+        503: error("Store down or unreachable; retry after the Retry-After seconds.",
+                   "store unavailable: connection refused"),
+    }  # fmt: skip
 
 
 INGEST_DESCRIPTION = """
@@ -166,6 +194,7 @@ FINISH_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
     401: error("Missing or wrong bearer token (writes need TIMWATCH_TOKEN).", "unauthorized"),
     404: error("Unknown run.", "run 'x' not found"),
+    503: read_errors()[503],
 }
 
 MASKS_DESCRIPTION = """
@@ -178,8 +207,14 @@ MASKS_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "Keep masks, one per requested policy.",
         "content": {"application/json": {"example": {**_MASKS, "params": {"tau": 1.6}}}},
     },
-    422: INGEST_RESPONSES[422],
+    401: INGEST_RESPONSES[401],
     413: INGEST_RESPONSES[413],
+    415: INGEST_RESPONSES[415],
+    422: INGEST_RESPONSES[422],
+    503: error(
+        "The in-flight body budget (--max-inflight) is spent; retry after Retry-After.",
+        "server busy: 1073741824 of 1073741824 in-flight body bytes in use, …",
+    ),
 }
 
 RUNS_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -202,7 +237,8 @@ RUNS_RESPONSES: dict[int | str, dict[str, Any]] = {
                 }
             }
         },
-    }
+    },
+    **read_errors(),
 }
 
 METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -220,7 +256,8 @@ METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     404: error("Unknown run.", "run 'x' not found"),
-    422: error("Unknown metric name.", "unknown metric 'foo'"),
+    422: error("Unknown metric name or a parameter out of range.", "unknown metric 'foo'"),
+    **read_errors(),
 }
 
 STEP_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -239,6 +276,7 @@ STEP_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     404: error("Unknown run or step.", "step 12 of run 'x' not found"),
+    **read_errors(),
 }
 
 EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -262,6 +300,7 @@ EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
     404: error("Unknown run.", "run 'x' not found"),
+    **read_errors(),
 }
 
 HEALTHZ_DESCRIPTION = """

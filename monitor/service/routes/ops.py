@@ -33,7 +33,10 @@ _METRICS_EXAMPLE = 'timwatch_tokens_total{run="grpo-7b"} 1.048576e+06\n'
 @router.get(
     "/metrics",
     summary="Prometheus exposition (docs/reference/prometheus.md)",
-    responses={200: {"content": {CONTENT_TYPE: {"example": _METRICS_EXAMPLE}}}},
+    responses={
+        200: {"content": {CONTENT_TYPE: {"example": _METRICS_EXAMPLE}}},
+        401: ex.read_errors()[401],
+    },
     dependencies=[Depends(require_read)],
 )
 async def metrics(serving: ServingDep) -> Response:
