@@ -38,8 +38,9 @@ __all__ = [
 
 RETRY_AFTER_S = "1"
 
-#: seconds an ingest waits for a free slot before its 503
-SLOT_WAIT_S = 1.0
+#: seconds an ingest waits for a free slot before its 503 (with the request overhead, every
+#: writer behind a stuck store has its answer within 1 s)
+SLOT_WAIT_S = 0.75
 
 #: ingests admitted into the threadpool at once: AnyIO's default 40 worker threads minus 8
 #: kept for scrapes of other apps, history reads and mask requests

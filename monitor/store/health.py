@@ -34,7 +34,8 @@ class WriterLock:
     """The in-process SQLite writer lock, acquired with a timeout that tells a stuck store from
     a busy one. A queued writer gives up (`StoreUnavailable`) when the holder has held the lock
     for `stuck` seconds since the writer came, when a holder's transaction failed on the
-    database (locked, full, read-only) while it waited, or after `cap` seconds in all. Writers
+    database (locked, full, read-only) while it waited or less than `stuck` seconds before it
+    came, or after `cap` seconds in all. Writers
     queued behind a healthy store (holders change every few milliseconds) wait their turn;
     writers behind a locked file fail together as soon as the first of them does."""
 
@@ -48,16 +49,21 @@ class WriterLock:
     @contextmanager
     def hold(self) -> Iterator[None]:
         start = time.monotonic()
+        # a write that failed on the database within the last `stuck` seconds counts as one
+        # this writer queued behind: it would wait the same busy timeout for the same answer
+        behind = start - self.stuck
+        if self._failed > behind:
+            raise self._behind_failure()
         while not self._lock.acquire(timeout=min(0.05, self.stuck)):
             now = time.monotonic()
-            if self._failed > start:
+            if self._failed > behind:
                 raise self._behind_failure()
             # a holder that took the lock before this writer came counts from its arrival
             if now - max(self._since, start) > self.stuck or now - start > self.cap:
                 raise StoreUnavailable(
                     f"store busy: a write has held the lock for over {self.stuck:g} s"
                 )
-        if self._failed > start:  # the lock came free because the write ahead of this failed
+        if self._failed > behind:  # the lock came free because the write ahead of this failed
             self._lock.release()
             raise self._behind_failure()
         self._since = time.monotonic()

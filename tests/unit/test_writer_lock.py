@@ -91,3 +91,20 @@ def test_health_records_failures_until_a_success() -> None:
     report = health.report()
     assert not health.failing and report["write_error"] is None
     assert report["last_write_error"] == "database or disk is full"
+
+
+def test_a_writer_right_after_a_failed_write_fails_fast_then_the_store_is_tried_again() -> None:
+    """Within `stuck` seconds of a database failure a new writer answers at once with that
+    failure (it would wait the same busy timeout for the same answer); later ones try again."""
+    import time
+
+    lock = WriterLock(stuck=0.3, cap=60.0)
+    with pytest.raises(OperationalError), lock.hold():
+        raise OperationalError("INSERT", {}, Exception("database is locked"))
+    with pytest.raises(StoreUnavailable, match="database is locked"), lock.hold():
+        pytest.fail("the store was tried although a write failed just before")
+    time.sleep(0.35)
+    tried = []
+    with lock.hold():
+        tried.append(True)
+    assert tried == [True]
