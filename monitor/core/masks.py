@@ -66,6 +66,9 @@ POLICIES = (
     *VERL_TOKEN_POLICIES, *VERL_SEQUENCE_POLICIES,
 )  # fmt: skip
 P_MIN, P_MAX = 1e-8, 1.0 - 1e-8
+#: the smallest ESTR ε: with every accepted δ (|δ| ≤ 1e5) and H = 0 the score δ²/(H + ε) stays
+#: ≤ 1e19, so its sum over 2^31 tokens cannot overflow
+EPS_MIN = 1e-9
 Array = Any  # numpy.ndarray or torch.Tensor
 
 
@@ -112,6 +115,8 @@ class PolicyParams:
         for name, value in asdict(self).items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"policy parameter {name} must be a positive number, got {value}")
+        if self.eps < EPS_MIN:
+            raise ValueError(f"policy parameter eps must be ≥ {EPS_MIN:g}, got {self.eps}")
         for lo, hi in (
             ("icepop_low", "icepop_high"),
             ("seq_mis_low", "seq_mis_high"),

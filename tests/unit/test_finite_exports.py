@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from timwatch.monitor.core.batch import ENTROPY_MAX, LOGP_MAX, LOGP_MIN, Batch
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.errors import BatchError
-from timwatch.monitor.core.masks import PolicyParams
+from timwatch.monitor.core.masks import EPS_MIN, PolicyParams
 from timwatch.monitor.core.row import derive_row
 from timwatch.monitor.service.exporter import make_registry, render
 from timwatch.monitor.service.runs import RunRegistry
@@ -116,8 +116,9 @@ def test_out_of_bound_kept_tokens_are_refused_but_masked_ones_pass(
     ("mu", "pi", "h"),
     [(LOGP_MIN, LOGP_MAX, 0.0), (LOGP_MAX, LOGP_MIN, ENTROPY_MAX), (LOGP_MIN, LOGP_MIN, 0.0)],
 )
+@pytest.mark.parametrize("eps", [0.01, EPS_MIN])
 def test_worst_case_sums_stay_finite_at_2_31_tokens(
-    seq_len: int, mu: float, pi: float, h: float
+    seq_len: int, mu: float, pi: float, h: float, eps: float
 ) -> None:
     """Every token at the extremes of the accepted range: each float sum, scaled from this
     batch's tokens to 2^31 tokens, is still far below float64's maximum."""
@@ -129,7 +130,12 @@ def test_worst_case_sums_stay_finite_at_2_31_tokens(
         entropy=np.full(n, h),
         loss_mask=np.ones(n, dtype=np.uint8),
     )
-    acc = accumulate(batch, PolicyParams())
+    acc = accumulate(batch, PolicyParams(eps=eps))
     scale = 2**31 / n
     assert np.all(np.isfinite(acc.fsum)) and np.all(np.isfinite(acc.fext))
     assert float(np.max(np.abs(acc.fsum))) * scale < 1e300
+
+
+def test_an_eps_below_the_floor_is_refused() -> None:
+    with pytest.raises(ValueError, match="eps must be"):
+        PolicyParams(eps=EPS_MIN / 2)
