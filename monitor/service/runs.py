@@ -105,6 +105,18 @@ class RunRegistry:
                 cur.version = self._clock  # timwatch_run_finished changed: re-render the run
             return True
 
+    def add_tap_dropped(self, run: str, n: int) -> bool:
+        """Add `n` batches a tap reported dropping outside a batch post (its finish); False if
+        `run` is not live (the count then has no series to go to)."""
+        with self._lock:
+            cur = self._runs.get(run)
+            if cur is None:
+                return False
+            cur.tap_dropped += n
+            self._clock += 1
+            cur.version = self._clock
+            return True
+
     def reject(self, reason: str) -> None:
         if reason not in self._rejected:
             raise ValueError(f"unknown rejection reason {reason!r}")

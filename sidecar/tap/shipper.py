@@ -278,7 +278,11 @@ class Tap:
 
     def _finish(self) -> None:
         timeout = min(self._timeout, _FINISH_TIMEOUT_S)
-        problem = post_finish(self.url, self._headers, self.run, timeout)
+        lost = min(self._stats.unreported_drops, _HEADER_MAX)  # the shipper thread has stopped
+        headers = {**self._headers, DROPPED_HEADER: str(lost)} if lost else self._headers
+        problem = post_finish(self.url, headers, self.run, timeout)
+        if problem is None:
+            self._stats.unreported_drops -= lost
         self._stats.finished = problem is None
         if problem is not None:
             log.warning("timwatch tap: could not finish run %s: %s", self.run, problem)

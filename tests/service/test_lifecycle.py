@@ -213,3 +213,15 @@ def test_openapi_documents_finish_conflicts_and_the_tap_header(server: ServerPro
     assert "409" in ingest["responses"]
     params = {(p["name"], p["in"]) for p in ingest["parameters"]}
     assert ("Timwatch-Tap-Dropped", "header") in params
+
+
+def test_the_finish_carries_the_drops_a_tap_could_not_report_before(server: ServerProc) -> None:
+    with server.client() as c:
+        assert post(c, "fin-drops", raw_batch(5, step=1, batch_id="a")).status_code == 200
+        bad = c.post("/v1/runs/fin-drops/finish", headers={"Timwatch-Tap-Dropped": "x"})
+        ok = c.post("/v1/runs/fin-drops/finish", headers={"Timwatch-Tap-Dropped": "3"})
+        after = exposition(c)
+    assert bad.status_code == 422 and "Timwatch-Tap-Dropped" in bad.text
+    assert ok.status_code == 200
+    assert after["timwatch_tap_dropped_batches_total{run=fin-drops}"] == 3
+    assert after["timwatch_run_finished{run=fin-drops}"] == 1

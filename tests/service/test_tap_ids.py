@@ -201,3 +201,14 @@ def test_finish_against_a_monitor_that_is_down_is_logged(caplog: pytest.LogCaptu
         tap.close(5)
     assert tap.stats()["finished"] is False
     assert any("could not finish run down" in r.getMessage() for r in caplog.records)
+
+
+def test_drops_still_unreported_at_close_ride_on_the_finish(stand_in: StandIn) -> None:
+    stand_in.script = [(503, {"Retry-After": "0"}), (200, {})]
+    tap = Tap(stand_in.url, "fin-lost", rank=0, max_retries=0)
+    tap.report(1, **arrays_of(1))  # refused once and given up: one batch the monitor never saw
+    assert tap.close(10)
+    last = stand_in.requests[-1]
+    assert last["path"] == "/v1/runs/fin-lost/finish"
+    assert last["headers"]["Timwatch-Tap-Dropped"] == "1"
+    assert tap.stats()["unreported_drops"] == 0 and tap.stats()["finished"] is True

@@ -97,10 +97,25 @@ async def ingest(
     responses=ex.FINISH_RESPONSES,
     dependencies=[Depends(require_write)],
 )
-async def finish(run: str, store: StoreDep, runs: RunsDep) -> Response:
+async def finish(
+    run: str,
+    store: StoreDep,
+    runs: RunsDep,
+    tap_dropped_header: Annotated[
+        str | None,
+        Header(
+            alias=TAP_DROPPED_HEADER,
+            description="batches the finishing tap dropped since its last accepted post "
+            "(integer 0 to 2^31; adds to timwatch_tap_dropped_batches_total)",
+        ),
+    ] = None,
+) -> Response:
+    tap_dropped = parse_tap_dropped(tap_dropped_header)
     found = None if check_run_id(run) else await run_in_threadpool(store.finish_run, run)
     if found is None:
         raise ApiError(404, f"run {run[:200]!r} not found")
     finished_at, newly = found
+    if tap_dropped:
+        runs.add_tap_dropped(run, tap_dropped)
     runs.finish(run)
     return json_response({"run": run, "finished_at": finished_at, "already_finished": not newly})
