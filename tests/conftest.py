@@ -12,8 +12,6 @@ instead of skipping it.
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests.helpers.pg import fresh_database
 from tests.helpers.procs import ServerProc, free_port, server_env, shared_server_proc
 
 if TYPE_CHECKING:  # the app's modules load on first use, not for every test session
@@ -104,34 +103,11 @@ def app(app_factory: Callable[..., InProcessApp]) -> InProcessApp:
     return app_factory()
 
 
-def _pg_base_url() -> str | None:
-    url = os.environ.get("TIMWATCH_TEST_PG_URL")
-    if url:
-        return url
-    if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_PG"):
-        pytest.fail("CI is set but TIMWATCH_TEST_PG_URL is not: PostgreSQL tests must run in CI")
-    pytest.skip("TIMWATCH_TEST_PG_URL not set (bash .ci/start-postgres.sh prints one)")
-    return None
-
-
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh, empty PostgreSQL database for one test (dropped afterwards)."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    base = _pg_base_url()
-    assert base is not None
-    name = f"tw_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import struct
-import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.pg import fresh_database
 from tests.helpers.procs import ServerProc, free_port, server_env
 
 BIG = 2**63
@@ -386,42 +386,21 @@ ACCEPTED_EDGES: list[tuple[str, bytes, str]] = [
 # ---- servers -----------------------------------------------------------------------------
 
 
-def _pg_database() -> Iterator[str]:
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    base = os.environ.get("TIMWATCH_TEST_PG_URL")
-    if not base:
-        if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_PG"):
-            pytest.fail("TIMWATCH_TEST_PG_URL is not set: PostgreSQL tests must run")
-        pytest.skip("TIMWATCH_TEST_PG_URL not set")
-    name = f"tw_hostile_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProc]:
     tmp = tmp_path_factory.mktemp(f"hostile-{request.param}")
-    dbs = _pg_database() if request.param == "postgresql" else None
-    db = next(dbs) if dbs is not None else f"sqlite:///{tmp / 'hostile.db'}"
-    srv = ServerProc(db=db, port=free_port(), args=[], env=server_env(None), log=tmp / "server.log")
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        if dbs is not None:
-            next(dbs, None)
+    with ExitStack() as stack:
+        if request.param == "postgresql":
+            db = stack.enter_context(fresh_database("tw_hostile"))
+        else:
+            db = f"sqlite:///{tmp / 'hostile.db'}"
+        srv = ServerProc(
+            db=db, port=free_port(), args=[], env=server_env(None), log=tmp / "server.log"
+        )
+        stack.callback(srv.stop)
+        yield srv.start()
 
 
 def rejected(client: httpx.Client) -> dict[str, float]:
