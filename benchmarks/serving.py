@@ -1,6 +1,6 @@
 """Serving figures: /metrics cost with 1,000 live runs, and how fast writers fail on a held store.
 
-    python benchmarks/serving.py [--runs 1000] [--producers 64]
+    python benchmarks/serving.py [--runs 1000] [--producers 64] [--pg-url URL]
 
 Bounded (about a minute on 2 cores; a hard deadline of 170 s stops it). Prints:
 
@@ -11,12 +11,14 @@ Bounded (about a minute on 2 cores; a hard deadline of 170 s stops it). Prints:
    `--producers` threads post a bounded number of batches (10 each); their answers by status.
 3. The store locked from another connection (``BEGIN IMMEDIATE``): time from sending a POST to
    its 503, p50/p99/max over 3 rounds of `--producers` concurrent writers; /metrics and /healthz
-   latency meanwhile.
+   latency meanwhile. With ``--pg-url`` the same on a PostgreSQL store (a scratch database on
+   that server) whose ``steps`` table another connection holds with ``LOCK TABLE``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import subprocess
 import sys
@@ -24,8 +26,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -192,14 +195,54 @@ def scrapes_under_load(url: str, n_runs: int, producers: int, full_p50: float) -
     print(f"   refusals by reason: {delta(before, after)}")
 
 
-def locked_writes(url: str, db_path: Path, producers: int) -> None:
+@contextmanager
+def sqlite_locked(db_path: Path) -> Iterator[None]:
+    lock = sqlite3.connect(db_path, isolation_level=None)
+    lock.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+
+@contextmanager
+def postgres_locked(db: str) -> Iterator[None]:
+    from sqlalchemy import create_engine, text
+
+    other = create_engine(db)
+    try:
+        with other.connect() as conn, conn.begin():
+            conn.execute(text("LOCK TABLE steps IN ACCESS EXCLUSIVE MODE"))
+            yield
+    finally:
+        other.dispose()
+
+
+@contextmanager
+def postgres_database(base: str) -> Iterator[str]:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    name = f"tw_serving_{os.getpid()}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def locked_writes(url: str, hold: AbstractContextManager[None], producers: int, what: str) -> None:
     bodies = [batch(200 + s, 5, batch_id=f"lk{s}").to_safetensors() for s in range(producers)]
     to_503: list[float] = []
     codes: Counter[str] = Counter()
     side: list[float] = []
-    lock = sqlite3.connect(db_path, isolation_level=None)
-    lock.execute("BEGIN IMMEDIATE")
-    try:
+    with hold:
         with httpx.Client(base_url=url, timeout=60) as c:
             before = rejected(c)
         for _round in range(3):
@@ -226,10 +269,7 @@ def locked_writes(url: str, db_path: Path, producers: int) -> None:
                     f.result()
         with httpx.Client(base_url=url, timeout=60) as c:
             after = rejected(c)
-    finally:
-        lock.execute("ROLLBACK")
-        lock.close()
-    print(f"3. SQLite write lock held by another connection, {producers} concurrent writers x 3")
+    print(f"3. {what} held by another connection, {producers} concurrent writers x 3")
     print(f"   time to 503                 {ms(to_503)}  max {max(to_503) * 1e3:.1f} ms")
     print(f"   answers: {dict(codes)}")
     print(f"   by reason: {delta(before, after)}")
@@ -240,6 +280,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=1000)
     ap.add_argument("--producers", type=int, default=64)
+    ap.add_argument("--pg-url", help="also lock a PostgreSQL store (a scratch database on it)")
     args = ap.parse_args()
     full_p50 = in_process(args.runs)
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,10 +291,22 @@ def main() -> None:
         try:
             populate(url, args.runs)
             scrapes_under_load(url, args.runs, args.producers, full_p50)
-            locked_writes(url, db_path, args.producers)
+            locked_writes(url, sqlite_locked(db_path), args.producers, "SQLite write lock")
         finally:
             proc.terminate()
             proc.wait(30)
+        if args.pg_url:
+            with postgres_database(args.pg_url) as db:
+                port = free_port()
+                proc = start_server(db, port, Path(tmp) / "server-pg.log")
+                url = f"http://127.0.0.1:{port}"
+                try:
+                    populate(url, 10)
+                    what = "PostgreSQL LOCK TABLE steps (ACCESS EXCLUSIVE)"
+                    locked_writes(url, postgres_locked(db), args.producers, what)
+                finally:
+                    proc.terminate()
+                    proc.wait(30)
 
 
 if __name__ == "__main__":
