@@ -239,7 +239,7 @@ def report(
             html.write_text(page, encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot write --html {str(html)!r}: {exc.strerror}") from None
-        console.print(f"wrote {escape(str(html))} ({len(page.encode()):,} bytes)", highlight=False)
+        sys.stdout.write(f"wrote {html} ({len(page.encode()):,} bytes)\n")  # unwrapped: a path
         return
     if from_step is not None or to_step is not None:
         raise ConfigError("--from-step and --to-step go with --html FILE")
