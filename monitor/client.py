@@ -139,6 +139,15 @@ class TimwatchClient:
         r = self._check(self.http.get(f"/v1/runs/{run}/metrics", params=params))
         return r.text if csv else loads(r.content)
 
+    def report_html(
+        self, run: str, *, from_step: int | None = None, to_step: int | None = None
+    ) -> str:
+        """The report page of ``run`` (``GET /v1/runs/{run}/report.html``), inclusive range."""
+        params = {
+            k: v for k, v in (("from_step", from_step), ("to_step", to_step)) if v is not None
+        }
+        return self._check(self.http.get(f"/v1/runs/{run}/report.html", params=params)).text
+
     def step(self, run: str, step: int) -> dict[str, Any]:
         return loads(self._check(self.http.get(f"/v1/runs/{run}/steps/{step}")).content)
 

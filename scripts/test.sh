@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one test command: installs what the tests use (Debian prometheus, prometheus-alertmanager,
-# postgresql, docker-compose; a virtualenv with timwatch[test]; schemathesis in .venv-fuzz),
+# postgresql, docker-compose, chromium; a virtualenv with timwatch[test]; schemathesis in .venv-fuzz),
 # starts a throw-away PostgreSQL on 127.0.0.1 and runs the whole suite. Extra arguments go to
 # pytest (e.g. `scripts/test.sh -k engine`).
 set -euo pipefail
@@ -12,6 +12,8 @@ command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
   || need+=(docker-compose)  # only its offline `config` check of deploy/docker-compose.yml
+# headless, for tests/stack/test_report_browser.py (the incident report in a real browser)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages: ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"

@@ -11,6 +11,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
@@ -210,9 +211,38 @@ def summarize(steps: list[int], values: list[Any]) -> dict[str, Any]:
 
 @history_app.command()
 def report(
-    run: RunArg, url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = False
+    run: RunArg,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    json: JsonOpt = False,
+    html: Annotated[
+        Path | None,
+        typer.Option(
+            "--html",
+            help="write the incident report page (one self-contained HTML file) to FILE",
+            metavar="FILE",
+            show_default=False,
+        ),
+    ] = None,
+    from_step: Annotated[
+        int | None, typer.Option(help="with --html: first step, inclusive (default: the first)")
+    ] = None,
+    to_step: Annotated[
+        int | None, typer.Option(help="with --html: last step, inclusive (default: the last)")
+    ] = None,
 ) -> None:
-    """Summarise RUN's headline metrics over its whole history."""
+    """Summarise RUN's headline metrics over its whole history (--html FILE: write the
+    incident report page instead)."""
+    if html is not None:
+        page = ask(url, token, lambda c: c.report_html(run, from_step=from_step, to_step=to_step))
+        try:
+            html.write_text(page, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot write --html {str(html)!r}: {exc.strerror}") from None
+        sys.stdout.write(f"wrote {html} ({len(page.encode()):,} bytes)\n")  # unwrapped: a path
+        return
+    if from_step is not None or to_step is not None:
+        raise ConfigError("--from-step and --to-step go with --html FILE")
     res = ask(url, token, lambda c: c.metrics(run, REPORT_METRICS))
     summary = {m: summarize(res["steps"], res["series"][m]) for m in REPORT_METRICS}
     if json:

@@ -19,6 +19,8 @@ __all__ = [
     "MASKS_DESCRIPTION",
     "MASKS_RESPONSES",
     "METRICS_RESPONSES",
+    "REPORT_DESCRIPTION",
+    "REPORT_RESPONSES",
     "RUNS_RESPONSES",
     "STEP_RESPONSES",
     "error",
@@ -302,6 +304,26 @@ EVENTS_RESPONSES: dict[int | str, dict[str, Any]] = {
     404: error("Unknown run.", "run 'x' not found"),
     **read_errors(),
 }
+
+REPORT_DESCRIPTION = """
+The incident report of run `{run}` as one self-contained HTML page (inline CSS, figures as PNG
+data URIs, no script and no external resource: save it and open it offline): the diagnosis,
+mismatch KL, IS-ratio std, mask ratios, entropy and version lag over steps with the alert
+thresholds drawn, the entropy × |δ| heatmap and the length / lag buckets merged over the last
+256 steps of the range, and the worst tokens. `from_step`/`to_step` are inclusive (default: the
+whole run); long ranges are drawn as per-bucket min and max, so the page stays small.
+"""
+
+REPORT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The report page.",
+        "content": {"text/html": {"example": "<!DOCTYPE html><html lang=\"en\">…</html>"}},
+    },
+    404: error("Unknown run.", "run 'x' not found"),
+    422: error("A step parameter out of range, or from_step after to_step.",
+               "from_step 9 is after to_step 3"),
+    **read_errors(),
+}  # fmt: skip
 
 HEALTHZ_DESCRIPTION = """
 Answered from memory, never by querying the store: the outcome of the most recent write

@@ -332,6 +332,27 @@ class Store:
 
         return self._guard(go)
 
+    def step_details(
+        self, run: str, *, from_step: int | None = None, to_step: int | None = None, last: int
+    ) -> list[dict[str, Any]]:
+        """The detail columns (``length_buckets``, ``lag_buckets``, ``heatmap``,
+        ``worst_tokens``) with ``step`` of the last ``last`` steps in the inclusive range,
+        ordered by step."""
+        d = _details.c
+        stmt = select(d.step, d.length_buckets, d.lag_buckets, d.heatmap, d.worst_tokens)
+        stmt = stmt.where(d.run_id == run)
+        if from_step is not None:
+            stmt = stmt.where(d.step >= from_step)
+        if to_step is not None:
+            stmt = stmt.where(d.step <= to_step)
+        stmt = stmt.order_by(d.step.desc()).limit(last)
+
+        def go() -> list[dict[str, Any]]:
+            with self.engine.connect() as conn:
+                return [dict(r._mapping) for r in conn.execute(stmt)][::-1]
+
+        return self._guard(go)
+
     def get_step_state(self, run: str, step: int) -> dict[str, Any] | None:
         """The stored accumulator state of a step (for exact re-derivation and tests)."""
 

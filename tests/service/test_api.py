@@ -357,7 +357,7 @@ def test_openapi_documents_every_endpoint_with_examples(app: InProcessApp) -> No
     want = {
         ("post", "/v1/runs/{run}/batches"), ("post", "/v1/masks"), ("get", "/v1/runs"),
         ("get", "/v1/runs/{run}/metrics"), ("get", "/v1/runs/{run}/steps/{step}"),
-        ("get", "/metrics"), ("get", "/healthz"),
+        ("get", "/v1/runs/{run}/report.html"), ("get", "/metrics"), ("get", "/healthz"),
     }  # fmt: skip
     for method, path in want:
         op = spec["paths"][path][method]

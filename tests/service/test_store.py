@@ -209,3 +209,17 @@ def test_batches_with_token_drift_or_dropped_tokens_leave_events(store: Store) -
     drift = [e for e in store.list_events("e") if e["kind"] == "token_id_drift"]
     assert len(drift) == 1 and drift[0]["step"] == 4
     assert drift[0]["data"] == {"mismatched": 1, "tokens": int(mask.sum())}
+
+
+def test_step_details_of_a_range(store: Store) -> None:
+    for s in range(5):
+        record(store, "d", raw_batch(60 + s, step=s, batch_id=f"d{s}"))
+    got = store.step_details("d", from_step=1, to_step=3, last=2)
+    assert [d["step"] for d in got] == [2, 3]
+    for d in got:
+        row = store.get_step("d", d["step"])
+        assert row is not None
+        for key in ("heatmap", "length_buckets", "lag_buckets", "worst_tokens"):
+            assert norm(d[key]) == norm(row["row"][key]), key
+    assert [d["step"] for d in store.step_details("d", last=10)] == [0, 1, 2, 3, 4]
+    assert store.step_details("nope", last=10) == []

@@ -323,3 +323,62 @@ def test_scaled_rules_behave_like_the_originals_on_a_scaled_clock(tmp_path: Path
     assert len(files) == len(RULE_TESTS)
     proc = _run(_promtool(), "test", "rules", *files, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- report links ------------------------------------------------------------------------
+
+
+def test_report_links_go_to_every_run_labelled_alert() -> None:
+    doc = yaml.safe_load(RULES.read_text())
+    linked = override.link_reports(doc, "https://tw.example:8000/")
+    assert doc == yaml.safe_load(RULES.read_text()), "input was modified"
+    urls = {
+        r["alert"]: r["annotations"].get("report_url")
+        for g in linked["groups"]
+        for r in g["rules"]
+        if "alert" in r
+    }
+    want = "https://tw.example:8000/v1/runs/{{ $labels.run }}/report.html"
+    # every alert but BadInput (its `run` label is optional: refused batches may name no run)
+    assert {a for a, u in urls.items() if u == want} == SHIPPED_ALERTS - {"TimwatchBadInput"}
+    assert urls["TimwatchBadInput"] is None
+    for bad in ("tw.example", "https://tw.example/{{ x }}", "ftp://tw.example"):
+        with pytest.raises(ValueError, match="report base URL"):
+            override.link_reports(doc, bad)
+
+
+def test_report_links_render_with_the_run_in_promtool(tmp_path: Path) -> None:
+    """Every promtool unit test passes against the linked rules once each expected alert of a
+    linked rule also expects ``report_url`` with its own run in it."""
+    base = "https://tw.example"
+    proc = _run(
+        sys.executable, ROOT / "alerts" / "override.py", "--report-base-url", base, RULES,
+        tmp_path / "timwatch.rules.yml",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    linked = {
+        r["alert"]
+        for g in yaml.safe_load((tmp_path / "timwatch.rules.yml").read_text())["groups"]
+        for r in g["rules"]
+        if "report_url" in r.get("annotations", {})
+    }
+    expected = 0
+    files = []
+    for path in RULE_TESTS:
+        doc = yaml.safe_load(path.read_text())
+        doc["rule_files"] = ["timwatch.rules.yml"]
+        for group in doc["tests"]:
+            for case in group.get("alert_rule_test", []):
+                if case["alertname"] not in linked:
+                    continue
+                for alert in case.get("exp_alerts") or []:
+                    if "exp_annotations" in alert:
+                        run = alert["exp_labels"]["run"]
+                        alert["exp_annotations"]["report_url"] = f"{base}/v1/runs/{run}/report.html"
+                        expected += 1
+        dst = tmp_path / path.name
+        dst.write_text(yaml.safe_dump(doc, sort_keys=False))
+        files.append(dst)
+    assert expected >= 10
+    proc = _run(_promtool(), "test", "rules", *files, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

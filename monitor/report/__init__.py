@@ -1,0 +1,33 @@
+"""The incident report of a run: one self-contained HTML page (``timwatch report RUN --html``,
+``GET /v1/runs/{run}/report.html``).
+
+`build_report` gathers from the store (`data`), draws the figures (`plots`, matplotlib's Agg
+canvas, no pyplot) and writes the page (`html`). matplotlib loads on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from timwatch.monitor.report.html import TokenText
+    from timwatch.monitor.store import Store
+
+__all__ = ["build_report"]
+
+
+def build_report(
+    store: Store,
+    run: str,
+    *,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    token_text: TokenText = None,
+) -> str:
+    """The report page of ``run`` over the inclusive step range; `LookupError` for an unknown
+    run, `StoreUnavailable` when the store fails."""
+    from timwatch.monitor.report.data import gather
+    from timwatch.monitor.report.html import render
+
+    data = gather(store, run, from_step=from_step, to_step=to_step)
+    return render(data, token_text=token_text)

@@ -1,0 +1,48 @@
+"""``GET /v1/runs/{run}/report.html``: the incident report page of a run (monitor/report).
+
+Read-protected like the history queries. The route is a plain function, so FastAPI runs it in
+its threadpool: gathering and drawing (hundreds of milliseconds on a long run) never block the
+event loop that serves ``/metrics`` and ingest.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import HTMLResponse
+
+from timwatch.monitor.core.errors import ApiError
+from timwatch.monitor.core.runid import check_run_id
+from timwatch.monitor.report import build_report
+from timwatch.monitor.service import openapi_examples as ex
+from timwatch.monitor.service.deps import StoreDep, require_read
+from timwatch.monitor.service.routes.history import STEP_MAX
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["history"], dependencies=[Depends(require_read)])
+
+
+@router.get(
+    "/v1/runs/{run}/report.html",
+    summary="Incident report of a run (one self-contained HTML page)",
+    description=ex.REPORT_DESCRIPTION,
+    responses=ex.REPORT_RESPONSES,
+    response_class=HTMLResponse,
+)
+def report_html(
+    run: str,
+    store: StoreDep,
+    from_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
+    to_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
+) -> HTMLResponse:
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise ApiError(422, f"from_step {from_step} is after to_step {to_step}")
+    if check_run_id(run):
+        raise ApiError(404, f"run {run[:200]!r} not found")
+    try:
+        page = build_report(store, run, from_step=from_step, to_step=to_step)
+    except LookupError:
+        raise ApiError(404, f"run {run[:200]!r} not found") from None
+    return HTMLResponse(page)

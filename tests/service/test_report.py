@@ -1,0 +1,139 @@
+"""The incident report served by a real ``timwatch serve`` and written by ``timwatch report
+--html``, and its size on a 10k-step run (docs: README.md "Incident report")."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tests.helpers.batches import random_batch
+from tests.helpers.procs import REPO, ServerProc
+from tests.helpers.wire import as_batch
+from timwatch.monitor.client import TimwatchClient
+from timwatch.monitor.core.batch import Batch
+from timwatch.monitor.core.engine import accumulate
+from timwatch.monitor.report import build_report
+from timwatch.monitor.store import Store
+
+WRITE, READ = "report-write", "report-read"
+_GENERATED = re.compile(r"generated \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC")
+
+
+def _protected(server_factory: Callable[..., ServerProc]) -> ServerProc:
+    srv = server_factory(env={"TIMWATCH_TOKEN": WRITE, "TIMWATCH_READ_TOKEN": READ}, token=WRITE)
+    with TimwatchClient(srv.url, token=WRITE) as c:
+        for s in range(6):
+            raw = random_batch(np.random.default_rng(s), n_seq=6, optional="all")
+            raw = dataclasses.replace(raw, step=s, batch_id=f"b{s}", policy_version=s + 2)
+            c.ingest("rep-1", as_batch(raw), tags={"model": "<qwen>"})
+    return srv
+
+
+def test_report_is_served_read_protected_and_self_contained(
+    server_factory: Callable[..., ServerProc],
+) -> None:
+    srv = _protected(server_factory)
+    with srv.client(READ) as c:
+        r = c.get("/v1/runs/rep-1/report.html")
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"].startswith("text/html")
+        page = r.text
+        assert page.startswith("<!DOCTYPE html>") and "rep-1" in page
+        assert "model=&lt;qwen&gt;" in page and "<qwen>" not in page
+        assert page.count('src="data:image/png;base64,') == 8
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+        assert "6 steps, steps 0–5" in page
+        ranged = c.get("/v1/runs/rep-1/report.html", params={"from_step": 2, "to_step": 3})
+        assert ranged.status_code == 200 and "2 steps, steps 2–3" in ranged.text
+        assert "merged over 2 step(s), 2–3" in ranged.text
+        assert c.get("/v1/runs/nope/report.html").status_code == 404
+        assert c.get("/v1/runs/bad%20id/report.html").status_code == 404
+        bad = c.get("/v1/runs/rep-1/report.html", params={"from_step": 4, "to_step": 1})
+        assert bad.status_code == 422 and "from_step 4 is after to_step 1" in bad.json()["detail"]
+        assert c.get("/v1/runs/rep-1/report.html", params={"from_step": -1}).status_code == 422
+    with srv.client("") as anon:
+        assert anon.get("/v1/runs/rep-1/report.html").status_code == 401
+    spec = srv.client(READ).get("/openapi.json").json()
+    op = spec["paths"]["/v1/runs/{run}/report.html"]["get"]
+    assert set(op["responses"]) == {"200", "401", "404", "422", "503"}
+    assert "text/html" in op["responses"]["200"]["content"]
+
+
+def test_cli_writes_the_served_page(
+    server_factory: Callable[..., ServerProc], tmp_path: Path
+) -> None:
+    srv = _protected(server_factory)
+    out = tmp_path / "report.html"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "timwatch", "report", *args, "--url", srv.url,
+             "--token", READ],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    p = cli("rep-1", "--html", str(out), "--from-step", "1", "--to-step", "4")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"wrote {out}" in p.stdout
+    written = out.read_text(encoding="utf-8")
+    served = srv.client(READ).get(
+        "/v1/runs/rep-1/report.html", params={"from_step": 1, "to_step": 4}
+    )
+    assert _GENERATED.sub("", written) == _GENERATED.sub("", served.text)
+    table = cli("rep-1")  # the table output stays
+    assert table.returncode == 0 and "mismatch_kl" in table.stdout and "<html" not in table.stdout
+    missing = cli("nope", "--html", str(tmp_path / "x.html"))
+    assert missing.returncode != 0 and "not found" in missing.stdout + missing.stderr
+    assert not (tmp_path / "x.html").exists()
+    unwritable = cli("rep-1", "--html", str(tmp_path / "no-dir" / "x.html"))
+    assert unwritable.returncode != 0 and "cannot write --html" in unwritable.stdout + (
+        unwritable.stderr
+    )
+    lone = cli("rep-1", "--from-step", "2")
+    assert lone.returncode != 0 and "go with --html" in lone.stdout + lone.stderr
+
+
+def _ingest_steps(store: Store, run: str, n: int) -> None:
+    """``n`` one-sequence steps straight through the store; KL grows over the last fifth."""
+    rng = np.random.default_rng(7)
+    for step in range(n):
+        t = 8
+        mu = -rng.random(t) * 2 - 1.0
+        scale = 0.01 if step < 0.8 * n else 0.2
+        kw = {
+            "cu_seqlens": np.array([0, t], np.int64),
+            "logp_rollout": mu,
+            "logp_train": mu + rng.normal(0, scale, t),
+            "entropy": rng.random(t) + 0.05,
+            "loss_mask": np.ones(t, np.int64),
+            "versions": np.full(t, step, np.int64),
+        }
+        batch = Batch.from_arrays(**kw, step=step, batch_id=None, policy_version=step + 1)
+        store.record_batch(
+            run, step=step, batch_id=None, acc=accumulate(batch), tokens=t,
+            respond=lambda row: {}, now=1.0e9 + step,
+        )  # fmt: skip
+
+
+def test_report_of_a_10k_step_run_is_under_5_mb(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'long.db'}", sqlite_synchronous="OFF")
+    try:
+        t0 = time.perf_counter()
+        _ingest_steps(store, "long", 10_000)
+        t1 = time.perf_counter()
+        page = build_report(store, "long")
+        t2 = time.perf_counter()
+    finally:
+        store.close()
+    size = len(page.encode())
+    print(f"10k steps: ingest {t1 - t0:.1f} s, report {t2 - t1:.2f} s, {size:,} bytes")
+    assert size < 5 * 2**20
+    assert "10000 steps, steps 0–9999" in page
+    assert "merged over 256 step(s), 9744–9999" in page
