@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -314,7 +315,8 @@ def test_locked_sqlite_answers_503_and_writes_nothing(
         expo = counters(c.get("/metrics").text)
         assert "timwatch_tokens_total{run=lockrun}" not in expo
         assert expo["timwatch_rejected_batches_total{reason=store_unavailable}"] == 1
-        again = post(c, "lockrun", raw, "safetensors")
+        time.sleep(float(r.headers["Retry-After"]))  # as a collector does: writes right after a
+        again = post(c, "lockrun", raw, "safetensors")  # failure answer it for 0.5 s
         assert again.status_code == 200 and again.json()["replayed"] is False
 
 
