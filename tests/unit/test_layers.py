@@ -34,7 +34,12 @@ ALLOWED: dict[str, set[str]] = {
     "timwatch.monitor.trainer": {"timwatch.monitor.core"},
     "timwatch.monitor.store": {"timwatch.monitor.core"},
     "timwatch.monitor.client": {"timwatch.monitor.core"},
-    "timwatch.monitor.service": {"timwatch.monitor.core", "timwatch.monitor.store"},
+    "timwatch.monitor.diagnosis": {"timwatch.monitor.core", "timwatch.monitor.store"},
+    "timwatch.monitor.service": {
+        "timwatch.monitor.core",
+        "timwatch.monitor.store",
+        "timwatch.monitor.diagnosis",
+    },
     "timwatch.dashboards": set(),
     "timwatch.sidecar.proxy": {"timwatch.monitor.core", "timwatch.sidecar.tap"},
     "timwatch.sidecar.tap": {"timwatch.monitor.core"},
@@ -52,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "timwatch.monitor.cli": {
         "timwatch.monitor.core",
+        "timwatch.monitor.diagnosis",
         "timwatch.monitor.client",
         "timwatch.monitor.service",
         "timwatch.monitor.store",

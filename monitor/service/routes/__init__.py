@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from timwatch.monitor.service.routes import history, ingest, masks, ops
+from timwatch.monitor.service.routes import diagnosis, history, ingest, masks, ops
 
 __all__ = ["ROUTERS"]
 
-ROUTERS: tuple[APIRouter, ...] = (ingest.router, masks.router, history.router, ops.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    ingest.router, masks.router, history.router, diagnosis.router, ops.router,
+)  # fmt: skip
