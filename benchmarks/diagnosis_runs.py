@@ -43,6 +43,9 @@ SHOWN = (
     "token_id_mismatch_ratio",
 )
 
+#: the columns whose late/early trend is printed
+TRENDS = ("mismatch_kl", "entropy_mean", "noise_scale")
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -159,15 +162,26 @@ def run_scenarios(
                     d = _one(service, sc, run, steps=steps, common=common).to_dict()
                     _, cols = service.store.query_series(run, SHOWN)
                     means = {n: _mean(cols[n]) for n in SHOWN}
+                    trends = {n: _trend(cols[n]) for n in TRENDS}
                     out.append({
                         "scenario": sc.name, "label": sc.label, "what": sc.what, "run": run,
-                        "seconds": round(time.monotonic() - t, 1), "means": means,
+                        "seconds": round(time.monotonic() - t, 1), "means": means, "trends": trends,
+                        "verdicts": {c["cause"]: c["verdict"] for c in d["causes"]},
                         "ranked": [(c["cause"], c["score"]) for c in d["causes"]],
                         "not_checked": [n["cause"] for n in d["not_checked"]],
                     })  # fmt: skip
         finally:
             service.stop()
     return out
+
+
+def _trend(values: Any) -> float | None:
+    """Late/early: mean of the last third over the first third (as the rules read it)."""
+    xs = [float(v) for v in values if v is not None and float(v) == float(v)]
+    k = max(1, len(xs) // 3)
+    if len(xs) < 3 or sum(xs[:k]) <= 0:
+        return None
+    return (sum(xs[-k:]) / k) / (sum(xs[:k]) / k)
 
 
 def _mean(values: Any) -> float | None:
@@ -206,6 +220,12 @@ def table(results: list[dict[str, Any]]) -> str:
     lines += ["", "| run | " + " | ".join(SHOWN) + " |", "|---|" + "---|" * len(SHOWN)]
     for r in results:
         vals = " | ".join("-" if r["means"][n] is None else f"{r['means'][n]:.3g}" for n in SHOWN)
+        lines.append(f"| {r['run']} | {vals} |")
+    lines += ["", "| run | " + " | ".join(f"{n} late/early" for n in TRENDS) + " |",
+              "|---|" + "---|" * len(TRENDS)]  # fmt: skip
+    for r in results:
+        vals = " | ".join("-" if r["trends"][n] is None else f"{r['trends'][n]:.3g}"
+                          for n in TRENDS)  # fmt: skip
         lines.append(f"| {r['run']} | {vals} |")
     return "\n".join(lines)
 

@@ -85,7 +85,11 @@ def precision(s: StepSeries) -> Finding | NotChecked:
     share = 1.0
     if stale.mean is not None and gap.value + stale.mean > 0:
         share = gap.value / (gap.value + stale.mean)
-    score = 0.95 * level * (0.6 + 0.4 * corr_f) * (0.3 + 0.7 * share)
+    plausible = 1.0
+    if noise.mean is not None:  # far above any format's rounding level: not rounding
+        cap = th.NOISE_IMPLAUSIBLE * th.NOISE_BF16
+        plausible = 1.0 - ramp_log(noise.mean, cap, 10 * cap)
+    score = 0.95 * level * (0.8 + 0.2 * corr_f) * (0.3 + 0.7 * share) * plausible
     evidence = [gap.evidence]
     parts = [f"engine-only KL {g(gap.value)} ({gap.evidence.metric})"]
     if stale.mean is not None:
@@ -102,10 +106,13 @@ def precision(s: StepSeries) -> Finding | NotChecked:
             (("bf16", th.NOISE_BF16), ("fp16", th.NOISE_FP16)), key=lambda p: abs(at - _log(p[1]))
         )
         stable = noise.trend is not None and 0.5 <= noise.trend <= 2.0
+        note = (
+            f"σ̂² nearest the {fmt} level {g(ref)} measured on the demo engine"
+            if plausible == 1.0 else f"σ̂² {g(noise.mean / ref)}x the {fmt} level: not rounding"
+        )  # fmt: skip
         evidence.append(Evidence(
             "noise_scale", (noise.first, noise.last), noise.mean, noise.trend,
-            f"σ̂² nearest the {fmt} level {g(ref)} measured on the demo engine"
-            + ("; stable" if stable else ""),
+            note + ("; stable" if stable else ""),
         ))  # fmt: skip
         parts.append(f"σ̂² {g(noise.mean)} (nearest {fmt}'s {g(ref)})")
     head = "engine precision/kernels" if score >= th.FIRES else "no dominant precision gap"

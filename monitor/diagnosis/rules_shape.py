@@ -101,11 +101,23 @@ def entropy_collapse(s: StepSeries) -> Finding | NotChecked:
     fall = 0.0 if e.trend is None else 1.0 - e.trend
     mus = worst_mu(s)
     low = sum(m < th.LOW_MU for m in mus) / len(mus) if mus else 0.0
+    noise = summarize(s, "noise_scale")
+    # the mismatch per unit entropy (σ̂²) rising as entropy falls: the rare tokens carry it
+    rising = 0.75 if noise.trend is None else 0.5 + 0.5 * ramp_log(noise.trend, 1.0, 2.0)
+    # an entropy fall is no cause of a mismatch that is negligible anyway
+    level = ramp_log(summarize(s, "mismatch_kl").mean, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
     score = 0.9 * ramp(fall, th.ENTROPY_FALL_LO, th.ENTROPY_FALL_HI) * (0.6 + 0.4 * low)
+    score *= rising * level
     evidence = [
         Evidence("entropy_mean", (e.first, e.last), e.mean, e.trend, f"late/early {g(e.trend)}")
     ]
     parts = [f"entropy_mean late/early {g(e.trend)}"]
+    if noise.trend is not None:
+        evidence.append(Evidence(
+            "noise_scale", (noise.first, noise.last), noise.mean, noise.trend,
+            "σ̂² = Σδ²/Σ(H+ε): mismatch per unit entropy",
+        ))  # fmt: skip
+        parts.append(f"σ̂² late/early {g(noise.trend)}")
     if mus:
         evidence.append(Evidence(
             "worst_tokens", detail_span(s), low, None,
@@ -120,7 +132,7 @@ def entropy_collapse(s: StepSeries) -> Finding | NotChecked:
             f"late/early of ESTR rejections {g(es.trend)} over |δ| rejections {g(da.trend)}",
         ))  # fmt: skip
         parts.append(f"ESTR vs |δ| mask trends ×{div:.3g}")
-    head = "entropy collapse" if score >= th.FIRES else "entropy holds"
+    head = "entropy collapse drives it" if score >= th.FIRES else "no entropy-driven mismatch"
     return Finding("entropy_collapse", score, f"{head}: " + ", ".join(parts), _ENTROPY_ACTION,
                    evidence)  # fmt: skip
 

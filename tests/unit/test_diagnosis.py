@@ -177,9 +177,13 @@ def test_entropy_collapse_fires_on_falling_entropy_and_low_mu_worst_tokens() -> 
     details = healthy_details()
     for d in details.values():
         d["worst_tokens"] = [{"logp_rollout": -4.0}] * 8
-    s = make(details=details, entropy_mean=line(2.0, 0.2))
+    s = make(details=details, entropy_mean=line(2.0, 0.2), mismatch_kl=flat(1e-3),
+             noise_scale=line(1e-3, 4e-3))  # fmt: skip
     assert top(s) == "entropy_collapse"
     assert scores(s)["entropy_collapse"] >= FIRES
+    # the same fall with a negligible mismatch is no cause of it
+    quiet = make(details=details, entropy_mean=line(2.0, 0.2), mismatch_kl=flat(1e-9))
+    assert scores(quiet)["entropy_collapse"] < FIRES
 
 
 def test_teacher_collapse_fires_on_a_rising_hard_ratio() -> None:
