@@ -148,6 +148,16 @@ class TimwatchClient:
         }
         return self._check(self.http.get(f"/v1/runs/{run}/report.html", params=params)).text
 
+    def diagnosis(
+        self, run: str, *, from_step: int | None = None, to_step: int | None = None
+    ) -> dict[str, Any]:
+        """``GET /v1/runs/{run}/diagnosis``: ranked causes with evidence (docs/diagnosis.md)."""
+        params = {
+            k: v for k, v in (("from_step", from_step), ("to_step", to_step)) if v is not None
+        }
+        r = self._check(self.http.get(f"/v1/runs/{run}/diagnosis", params=params))
+        return loads(r.content)
+
     def step(self, run: str, step: int) -> dict[str, Any]:
         return loads(self._check(self.http.get(f"/v1/runs/{run}/steps/{step}")).content)
 

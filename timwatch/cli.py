@@ -13,6 +13,7 @@ import typer
 
 from timwatch.monitor.cli.analyze import analyze
 from timwatch.monitor.cli.dashboards import dashboards_app
+from timwatch.monitor.cli.diagnose import diagnose
 from timwatch.monitor.cli.history import history_app
 from timwatch.monitor.cli.lifecycle import finish
 from timwatch.monitor.cli.program import run
@@ -53,6 +54,7 @@ app.command("serve")(serve)
 app.command("analyze")(analyze)
 app.command("finish")(finish)
 app.registered_commands.extend(history_app.registered_commands)
+app.command("diagnose")(diagnose)
 app.add_typer(dashboards_app, name="dashboards", help="Grafana dashboards.")
 app.add_typer(sidecar_app, name="sidecar", help="Collectors in front of rollout engines.")
 

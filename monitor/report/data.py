@@ -10,15 +10,18 @@ top `WORST_TOKENS` by score of the union).
 
 from __future__ import annotations
 
-import importlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from timwatch.monitor.core.errors import StoreUnavailable
+from timwatch.monitor.diagnosis import diagnose_run
 from timwatch.monitor.report.thresholds import MASK_POLICY_THRESHOLDS, SERIES_THRESHOLDS
 from timwatch.monitor.store import Store
+
+log = logging.getLogger("timwatch.report")
 
 __all__ = [
     "DETAIL_STEPS",
@@ -158,18 +161,15 @@ def merge_details(details: list[dict[str, Any]]) -> dict[str, Any]:
 def diagnose(
     store: Store, run: str, from_step: int | None, to_step: int | None
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """``(diagnosis dict, None)``, or ``(None, why not)`` when the diagnosis package is absent
-    or failed (a store outage is raised, not reported)."""
+    """``(diagnosis dict, None)``, or ``(None, why not)`` when the diagnosis failed: the rest of
+    the report is still worth having then (a store outage is raised, not reported)."""
     try:
-        mod = importlib.import_module("timwatch.monitor.diagnosis")
-    except ImportError:
-        return None, "diagnosis not available (timwatch.monitor.diagnosis is not installed)"
-    try:
-        diag = mod.diagnose_run(store, run, from_step=from_step, to_step=to_step)
+        diag = diagnose_run(store, run, from_step=from_step, to_step=to_step)
         return dict(diag.to_dict()), None
     except StoreUnavailable:
         raise
-    except Exception as exc:  # a faulty diagnosis must not cost the rest of the report
+    except Exception as exc:  # noqa: BLE001 - logged with its traceback, named on the page
+        log.exception("diagnosis of run %s failed", run)
         return None, f"diagnosis failed: {type(exc).__name__}: {exc}"
 
 

@@ -25,16 +25,23 @@ PROMPT_LEN = 4
 
 class DemoTrainer:
     """The tiny LM (trainer, fp32), its engine copy (``precision``) and the weight history that
-    the lag needs; `step` runs one RL step and returns that step's mean reward."""
+    the lag needs; `step` runs one RL step and returns that step's mean reward.
+
+    ``token_drift`` (default 0: none) injects a tokenization round-trip bug for labelled runs
+    (``benchmarks/diagnosis_runs.py``): that share of response tokens reaches the trainer as
+    another id, so π and logp_old are computed on tokens the engine never sampled, as after a
+    detokenize → retokenize that does not round-trip.
+    """
 
     def __init__(
         self, *, precision: str, lag: int, batch: int, max_new_tokens: int, updates: int,
-        lr: float, seed: int, threads: int,
+        lr: float, seed: int, threads: int, token_drift: float = 0.0,
     ) -> None:  # fmt: skip
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.lag, self.batch, self.updates = lag, batch, updates
         self.max_new_tokens = max_new_tokens
+        self.token_drift = token_drift
         self.model = TinyLM(seed=seed, max_len=PROMPT_LEN + max_new_tokens)
         self.engine = copy.deepcopy(self.model).to(DTYPES[precision]).eval()
         self.old = copy.deepcopy(self.model).eval()
@@ -46,6 +53,14 @@ class DemoTrainer:
     def parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    def _retokenized(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` as the trainer sees it: with ``token_drift``, some response ids shifted."""
+        if self.token_drift <= 0:
+            return full
+        drift = torch.rand(full.shape, generator=self.gen) < self.token_drift
+        drift[:, :PROMPT_LEN] = False
+        return torch.where(drift, (full + 1) % self.model.vocab, full)
+
     def step(self, step: int, tap: Any) -> float:
         model, batch, new = self.model, self.batch, self.max_new_tokens
         behaviour = max(0, step - self.lag)
@@ -55,7 +70,7 @@ class DemoTrainer:
         lengths = torch.randint(max(1, new // 4), new + 1, (batch,), generator=self.gen)
         roll = self.engine.generate(prompt, new, self.gen)
         tokens, mu = roll.tokens, roll.logp
-        full = torch.cat([prompt, tokens], dim=1)
+        full = self._retokenized(torch.cat([prompt, tokens], dim=1))
         mask = torch.arange(new)[None, :] < lengths[:, None]
         with torch.no_grad():
             logp_old, h_old = logprobs_and_entropy_from_logits(

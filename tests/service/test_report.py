@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import re
 import subprocess
 import sys
@@ -50,6 +51,10 @@ def test_report_is_served_read_protected_and_self_contained(
         assert page.count('src="data:image/png;base64,') == 8
         assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
         assert "6 steps, steps 0–5" in page
+        diag = c.get("/v1/runs/rep-1/diagnosis").json()  # the page shows the same diagnosis
+        assert "diagnosis not available" not in page and "diagnosis failed" not in page
+        for cause in diag["causes"] + diag["not_checked"]:
+            assert html.escape(cause["cause"]) in page
         ranged = c.get("/v1/runs/rep-1/report.html", params={"from_step": 2, "to_step": 3})
         assert ranged.status_code == 200 and "2 steps, steps 2–3" in ranged.text
         assert "merged over 2 step(s), 2–3" in ranged.text

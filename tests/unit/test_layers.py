@@ -34,6 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "timwatch.monitor.trainer": {"timwatch.monitor.core"},
     "timwatch.monitor.store": {"timwatch.monitor.core"},
     "timwatch.monitor.client": {"timwatch.monitor.core"},
+    "timwatch.monitor.diagnosis": {"timwatch.monitor.core", "timwatch.monitor.store"},
     "timwatch.monitor.report": {
         "timwatch.monitor.core",
         "timwatch.monitor.store",
@@ -42,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "timwatch.monitor.service": {
         "timwatch.monitor.core",
         "timwatch.monitor.store",
+        "timwatch.monitor.diagnosis",
         "timwatch.monitor.report",
     },
     "timwatch.dashboards": set(),
@@ -61,6 +63,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "timwatch.monitor.cli": {
         "timwatch.monitor.core",
+        "timwatch.monitor.diagnosis",
         "timwatch.monitor.client",
         "timwatch.monitor.service",
         "timwatch.monitor.store",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from timwatch.monitor.service.routes import history, ingest, masks, ops, report
+from timwatch.monitor.service.routes import diagnosis, history, ingest, masks, ops, report
 
 __all__ = ["ROUTERS"]
 
 ROUTERS: tuple[APIRouter, ...] = (
-    ingest.router, masks.router, history.router, report.router, ops.router,
+    ingest.router, masks.router, history.router, diagnosis.router, report.router,
+    ops.router,
 )  # fmt: skip

@@ -1,0 +1,223 @@
+"""The rules on the KL decomposition: precision, staleness, decode vs prefill kernels.
+
+Each rule is a pure function of a `StepSeries` that answers a `Finding` (score in [0, 1], a
+verdict naming its numbers, an action naming the setting to change) or `NotChecked` (the input
+it needs is missing). Thresholds live in ``thresholds.py``; reasoning and sources in
+docs/diagnosis.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from timwatch.monitor.diagnosis import thresholds as th
+from timwatch.monitor.diagnosis.buckets import detail_span, merge_buckets
+from timwatch.monitor.diagnosis.findings import Evidence, Finding, NotChecked, ramp, ramp_log
+from timwatch.monitor.diagnosis.series import PROBE_SUFFIX, StepSeries, summarize
+
+__all__ = ["EngineGap", "decode_vs_prefill", "engine_gap", "g", "precision", "staleness"]
+
+
+def g(x: float | None) -> str:
+    """A number as verdicts print it."""
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+@dataclass(frozen=True)
+class EngineGap:
+    """The engine-only mismatch (no staleness in it) and where it was read."""
+
+    value: float
+    evidence: Evidence
+
+
+def engine_gap(s: StepSeries) -> EngineGap | None:
+    """``discrepancy_kl`` (logp_old vs μ) if sent; else the lag-0 bucket's k3; else
+    ``mismatch_kl`` when every step is at lag 0 or no versions were sent (then it may hold
+    staleness, which the evidence says)."""
+    d = summarize(s, "discrepancy_kl")
+    if d.n and d.mean is not None:
+        return EngineGap(d.mean, Evidence(
+            "discrepancy_kl", (d.first, d.last), d.mean, d.trend,
+            "engine-only KL: mean k3 of logp_old − μ (same weights, so no staleness in it)",
+        ))  # fmt: skip
+    lag0 = [b for b in merge_buckets(s, "lag_buckets") if b.key == 0]
+    if lag0:
+        b = lag0[0]
+        return EngineGap(b.mismatch_kl, Evidence(
+            "lag_buckets[0].mismatch_kl", detail_span(s), b.mismatch_kl, None,
+            f"mean k3 of the {b.tokens} lag-0 tokens of the steps read",
+        ))  # fmt: skip
+    m = summarize(s, "mismatch_kl")
+    if not m.n or m.mean is None:
+        return None
+    lag = summarize(s, "version_lag_max")
+    if lag.n and (lag.mean or 0) > 0:
+        return None  # stale tokens only and no logp_old: the engine's share is unknown
+    note = "every step at lag 0" if lag.n else "no versions sent: may include staleness"
+    return EngineGap(m.mean, Evidence("mismatch_kl", (m.first, m.last), m.mean, m.trend, note))
+
+
+_PRECISION_ACTION = (
+    "Run the engine in FP16 or match the kernels: verl "
+    "`actor_rollout_ref.rollout.dtype=float16` (the actor's FSDP dtype to match), "
+    "SGLang/vLLM `--dtype float16`; "
+    "the FP16 study measured ~24x less mismatch than BF16. SGLang "
+    "`--enable-deterministic-inference` removes batch-size variance. Until then keep a token "
+    "correction on: verl `algorithm.rollout_correction.rollout_is=token`, slime `--use-tis`, "
+    "or timwatch's ESTR mask."
+)
+
+
+def precision(s: StepSeries) -> Finding | NotChecked:
+    gap = engine_gap(s)
+    if gap is None:
+        return NotChecked(
+            "precision", "no engine-only mismatch: no discrepancy_kl (send logp_old), no lag-0 "
+            "tokens and no mismatch_kl free of staleness",
+        )  # fmt: skip
+    corr = summarize(s, "entropy_delta_corr")
+    noise = summarize(s, "noise_scale")
+    stale = summarize(s, "staleness_kl")
+    level = ramp_log(gap.value, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
+    corr_f = 0.5 if corr.mean is None else ramp(corr.mean, th.CORR_LO, th.CORR_HI)
+    share = 1.0
+    if stale.mean is not None and gap.value + stale.mean > 0:
+        share = gap.value / (gap.value + stale.mean)
+    plausible = 1.0
+    if noise.mean is not None:  # far above any format's rounding level: not rounding
+        cap = th.NOISE_IMPLAUSIBLE * th.NOISE_BF16
+        plausible = 1.0 - ramp_log(noise.mean, cap, 10 * cap)
+    score = 0.95 * level * (0.8 + 0.2 * corr_f) * (0.3 + 0.7 * share) * plausible
+    evidence = [gap.evidence]
+    parts = [f"engine-only KL {g(gap.value)} ({gap.evidence.metric})"]
+    if stale.mean is not None:
+        parts.append(f"{share:.0%} of engine + staleness KL")
+    if corr.mean is not None:
+        evidence.append(Evidence(
+            "entropy_delta_corr", (corr.first, corr.last), corr.mean, corr.trend,
+            "Pearson(δ², H): rounding error grows with entropy",
+        ))  # fmt: skip
+        parts.append(f"Pearson(δ², H) {corr.mean:.2f}")
+    if noise.mean is not None:
+        at = _log(noise.mean)
+        fmt, ref = min(
+            (("bf16", th.NOISE_BF16), ("fp16", th.NOISE_FP16)), key=lambda p: abs(at - _log(p[1]))
+        )
+        stable = noise.trend is not None and 0.5 <= noise.trend <= 2.0
+        note = (
+            f"σ̂² nearest the {fmt} level {g(ref)} measured on the demo engine"
+            if plausible == 1.0 else f"σ̂² {g(noise.mean / ref)}x the {fmt} level: not rounding"
+        )  # fmt: skip
+        evidence.append(Evidence(
+            "noise_scale", (noise.first, noise.last), noise.mean, noise.trend,
+            note + ("; stable" if stable else ""),
+        ))  # fmt: skip
+        parts.append(f"σ̂² {g(noise.mean)} (nearest {fmt}'s {g(ref)})")
+    head = "engine precision/kernels" if score >= th.FIRES else "no dominant precision gap"
+    return Finding("precision", score, f"{head}: " + ", ".join(parts), _PRECISION_ACTION, evidence)
+
+
+def _log(x: float | None) -> float:
+    return math.log(x) if x is not None and x > 0 else -50.0
+
+
+_STALENESS_ACTION = (
+    "Lower the staleness bound of the async trainer (fewer policy versions in flight), and "
+    "correct what remains with decoupled PPO (verl `algorithm.rollout_correction.bypass_mode="
+    "false` with `rollout_is=token`: π_old anchors the trust region, IS from μ to π_old) or an "
+    "EWMA proximal policy; a token mask/TIS alone does not remove a policy gap."
+)
+
+
+def staleness(s: StepSeries) -> Finding | NotChecked:
+    st = summarize(s, "staleness_kl")
+    disc = summarize(s, "discrepancy_kl")
+    lags = merge_buckets(s, "lag_buckets", th.MIN_BUCKET_TOKENS)
+    lag = summarize(s, "version_lag_mean")
+    if not st.n and not lag.n:
+        return NotChecked(
+            "staleness", "no logp_old (staleness_kl) and no per-token versions (version_lag_*)"
+        )
+    evidence: list[Evidence] = []
+    parts: list[str] = []
+    from_kl = from_lag = 0.0
+    if st.mean is not None:
+        share = 1.0
+        if disc.mean is not None and st.mean + disc.mean > 0:
+            share = st.mean / (st.mean + disc.mean)
+        from_kl = ramp_log(st.mean, th.STALE_KL_LO, th.STALE_KL_HI) * (0.3 + 0.7 * share)
+        ratio = st.mean / disc.mean if disc.mean else None
+        evidence.append(Evidence(
+            "staleness_kl", (st.first, st.last), st.mean, st.trend,
+            "mean k3 of π − logp_old: the policy moved since the engine's weights",
+        ))  # fmt: skip
+        parts.append(
+            f"staleness_kl {g(st.mean)}"
+            + (f" = {ratio:.3g}x discrepancy_kl {g(disc.mean)}" if ratio is not None else "")
+        )
+    if len(lags) >= 2 and lags[0].mismatch_kl > 0:
+        rise = lags[-1].mismatch_kl / lags[0].mismatch_kl
+        from_lag = 0.9 * ramp_log(rise, 1.5, 10.0)
+        evidence.append(Evidence(
+            "lag_buckets", detail_span(s), rise, None,
+            f"k3 at lag {lags[-1].key} / k3 at lag {lags[0].key} "
+            f"({g(lags[-1].mismatch_kl)} / {g(lags[0].mismatch_kl)})",
+        ))  # fmt: skip
+        parts.append(f"mismatch ×{rise:.3g} from lag {lags[0].key} to {lags[-1].key}")
+    if lag.mean is not None:
+        evidence.append(Evidence("version_lag_mean", (lag.first, lag.last), lag.mean, lag.trend))
+        parts.append(f"mean lag {lag.mean:.3g}")
+    sw = summarize(s, "intra_switch_ratio")
+    if sw.mean is not None and sw.mean > 0:
+        evidence.append(Evidence(
+            "intra_switch_ratio", (sw.first, sw.last), sw.mean, sw.trend,
+            "sequences spanning weight versions (partial rollouts)",
+        ))  # fmt: skip
+        parts.append(f"{sw.mean:.1%} of sequences span versions")
+    score = max(from_kl, from_lag)
+    head = "staleness (off-policy lag)" if score >= th.FIRES else "no dominant staleness"
+    return Finding("staleness", score, f"{head}: " + ", ".join(parts), _STALENESS_ACTION, evidence)
+
+
+_DECODE_ACTION = (
+    "The engine's decode path differs from its own prefill: use batch-invariant decode kernels "
+    "(SGLang `--enable-deterministic-inference`, with an attention backend it supports: "
+    "`--attention-backend flashinfer|fa3|triton`) and the same attention implementation as the "
+    "trainer; re-check with the probe run."
+)
+
+
+def decode_vs_prefill(s: StepSeries) -> Finding | NotChecked:
+    if s.probe is None:
+        return NotChecked(
+            "decode_vs_prefill", f"no probe run {s.run}{PROBE_SUFFIX} (run `timwatch sidecar` "
+            "with --probe-rate to send prefill probes)",
+        )  # fmt: skip
+    p = summarize(s.probe, "mismatch_kl")
+    gap = engine_gap(s)
+    if p.mean is None or gap is None or gap.value <= 0:
+        return NotChecked(
+            "decode_vs_prefill", "the probe run or the main run has no engine-only mismatch"
+        )
+    share = p.mean / gap.value
+    score = (
+        0.95
+        * ramp(share, th.PROBE_SHARE_LO, th.PROBE_SHARE_HI)
+        * ramp_log(gap.value, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
+    )
+    evidence = [
+        Evidence(
+            f"{s.run}{PROBE_SUFFIX}:mismatch_kl", (p.first, p.last), p.mean, p.trend,
+            "decode μ vs one prefill pass of the same engine and weights",
+        ),
+        gap.evidence,
+    ]  # fmt: skip
+    where = (
+        "the gap lives in the engine's decode path" if share >= th.PROBE_SHARE_HI
+        else "decode ≈ prefill: the gap is between the engine and the trainer"
+        if share < th.PROBE_SHARE_LO else "the decode path holds part of the gap"
+    )  # fmt: skip
+    verdict = f"{where}: probe KL {g(p.mean)} = {share:.0%} of the engine-only KL {g(gap.value)}"
+    return Finding("decode_vs_prefill", score, verdict, _DECODE_ACTION, evidence)

@@ -1,0 +1,165 @@
+"""The rules on the shape of the mismatch: length, token-id round trip, entropy collapse and
+low-probability tokens, distillation teacher collapse. Same contract as ``rules.py``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from timwatch.monitor.diagnosis import thresholds as th
+from timwatch.monitor.diagnosis.buckets import detail_span, merge_buckets, worst_mu
+from timwatch.monitor.diagnosis.findings import Evidence, Finding, NotChecked, ramp, ramp_log
+from timwatch.monitor.diagnosis.rules import g
+from timwatch.monitor.diagnosis.series import StepSeries, summarize
+
+__all__ = ["entropy_collapse", "length", "teacher_collapse", "tokenization"]
+
+_LENGTH_ACTION = (
+    "Correct at the sequence level, where long responses pay most: verl "
+    "`algorithm.rollout_correction.rollout_rs=geometric` (Geo-RS, `rollout_rs_threshold` ~1.001) "
+    "or `rollout_is=sequence` (seq-MIS), timwatch's `geo_rs` / `seq_mis` policies; cap the "
+    "response length while the mismatch grows."
+)
+
+
+def length(s: StepSeries) -> Finding | NotChecked:
+    buckets = merge_buckets(s, "length_buckets", th.MIN_BUCKET_TOKENS)
+    buckets = [b for b in buckets if b.mismatch_kl > 0]
+    if len(buckets) < 2:
+        return NotChecked(
+            "length", f"fewer than 2 length buckets with ≥ {th.MIN_BUCKET_TOKENS} tokens "
+            "(responses of about one length, or no details stored)",
+        )  # fmt: skip
+    x = np.array([b.key for b in buckets], dtype=np.float64)
+    y = np.log([b.mismatch_kl for b in buckets])
+    w = np.array([b.tokens for b in buckets], dtype=np.float64)
+    xm, ym = np.average(x, weights=w), np.average(y, weights=w)
+    var = float(np.average((x - xm) ** 2, weights=w))
+    slope = float(np.average((x - xm) * (y - ym), weights=w)) / var if var > 0 else 0.0
+    per_doubling = math.exp(slope)
+    level = ramp_log(summarize(s, "mismatch_kl").mean, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
+    score = 0.9 * ramp_log(per_doubling, th.LENGTH_RISE_LO, th.LENGTH_RISE_HI)
+    score *= 0.3 + 0.7 * level
+    lo, hi = buckets[0], buckets[-1]
+    evidence = [Evidence(
+        "length_buckets", detail_span(s), per_doubling, None,
+        f"k3 per token ×{per_doubling:.3g} per doubling of length (token-weighted fit over "
+        f"{len(buckets)} buckets): {g(lo.mismatch_kl)} at 2^{lo.key} tokens, "
+        f"{g(hi.mismatch_kl)} at 2^{hi.key}",
+    )]  # fmt: skip
+    sl = summarize(s, "seq_log_ratio_abs_mean")
+    if sl.mean is not None:
+        evidence.append(Evidence("seq_log_ratio_abs_mean", (sl.first, sl.last), sl.mean, sl.trend))
+    head = "mismatch grows with length" if score >= th.FIRES else "no length effect"
+    verdict = f"{head}: k3 per token ×{per_doubling:.3g} per doubling of response length"
+    return Finding("length", score, verdict, _LENGTH_ACTION, evidence)
+
+
+_TOKEN_ACTION = (
+    "Pass token ids, never text, from the engine to the trainer (a detokenize → retokenize "
+    "does not round-trip): return the engine's output ids (SGLang `--skip-tokenizer-init` "
+    "takes and returns ids) and train on exactly those."
+)
+
+
+def tokenization(s: StepSeries) -> Finding | NotChecked:
+    t = summarize(s, "token_id_mismatch_ratio")
+    if not t.n:
+        return NotChecked("tokenization", "no token_ids and token_ids_train in the batches")
+    vals = s.col("token_id_mismatch_ratio")
+    bad = np.isfinite(vals) & (vals > 0)
+    n_bad = int(bad.sum())
+    worst = float(np.nanmax(vals))
+    score = 0.96 + 0.04 * ramp_log(worst, 1e-5, th.TOKEN_ID_HI) if n_bad else 0.0
+    first_bad = int(s.steps[bad][0]) if n_bad else None
+    evidence = [Evidence(
+        "token_id_mismatch_ratio", (t.first, t.last), t.mean, t.trend,
+        f"{n_bad} of {t.n} steps with differing ids" + (f", first at step {first_bad}"
+                                                        if first_bad is not None else ""),
+    )]  # fmt: skip
+    verdict = (
+        f"token ids differ between engine and trainer on {n_bad} of {t.n} steps "
+        f"(mean share {g(t.mean)}, max {g(worst)}): π is computed on other tokens"
+        if n_bad else f"token ids match on all {t.n} steps"
+    )  # fmt: skip
+    return Finding("tokenization", score, verdict, _TOKEN_ACTION, evidence)
+
+
+_ENTROPY_ACTION = (
+    "The policy is collapsing onto few tokens and the mismatch concentrates on the rare ones it "
+    "still samples: keep entropy up (verl `actor_rollout_ref.actor.entropy_coeff`, clip-higher) "
+    "and mask by the entropy-scaled ESTR score rather than raw |δ| (timwatch `estr`), so "
+    "low-probability tokens are not all rejected."
+)
+
+
+def entropy_collapse(s: StepSeries) -> Finding | NotChecked:
+    e = summarize(s, "entropy_mean")
+    if not e.n or e.mean is None:
+        return NotChecked("entropy_collapse", "no entropy sent (entropy_source unset)")
+    fall = 0.0 if e.trend is None else 1.0 - e.trend
+    mus = worst_mu(s)
+    low = sum(m < th.LOW_MU for m in mus) / len(mus) if mus else 0.0
+    noise = summarize(s, "noise_scale")
+    # the mismatch per unit entropy (σ̂²) rising as entropy falls: the rare tokens carry it
+    rising = 0.75 if noise.trend is None else 0.5 + 0.5 * ramp_log(noise.trend, 1.0, 2.0)
+    # an entropy fall is no cause of a mismatch that is negligible anyway
+    level = ramp_log(summarize(s, "mismatch_kl").mean, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
+    score = 0.9 * ramp(fall, th.ENTROPY_FALL_LO, th.ENTROPY_FALL_HI) * (0.6 + 0.4 * low)
+    score *= rising * level
+    evidence = [
+        Evidence("entropy_mean", (e.first, e.last), e.mean, e.trend, f"late/early {g(e.trend)}")
+    ]
+    parts = [f"entropy_mean late/early {g(e.trend)}"]
+    if noise.trend is not None:
+        evidence.append(Evidence(
+            "noise_scale", (noise.first, noise.last), noise.mean, noise.trend,
+            "σ̂² = Σδ²/Σ(H+ε): mismatch per unit entropy",
+        ))  # fmt: skip
+        parts.append(f"σ̂² late/early {g(noise.trend)}")
+    if mus:
+        evidence.append(Evidence(
+            "worst_tokens", detail_span(s), low, None,
+            f"share of {len(mus)} worst tokens sampled at μ < {th.LOW_MU}",
+        ))  # fmt: skip
+        parts.append(f"{low:.0%} of the worst tokens at μ < {th.LOW_MU}")
+    es, da = summarize(s, "mask_ratio_estr"), summarize(s, "mask_ratio_delta_abs")
+    if es.trend is not None and da.trend is not None and da.trend > 0:
+        div = es.trend / da.trend
+        evidence.append(Evidence(
+            "mask_ratio_estr/mask_ratio_delta_abs", (es.first, es.last), div, None,
+            f"late/early of ESTR rejections {g(es.trend)} over |δ| rejections {g(da.trend)}",
+        ))  # fmt: skip
+        parts.append(f"ESTR vs |δ| mask trends ×{div:.3g}")
+    head = "entropy collapse drives it" if score >= th.FIRES else "no entropy-driven mismatch"
+    return Finding("entropy_collapse", score, f"{head}: " + ", ".join(parts), _ENTROPY_ACTION,
+                   evidence)  # fmt: skip
+
+
+_TEACHER_ACTION = (
+    "The teacher has become near-deterministic on the student's samples (few soft targets left): "
+    "raise the teacher's temperature, check its checkpoint, or weight the distillation loss "
+    "down on hard tokens."
+)
+
+
+def teacher_collapse(s: StepSeries) -> Finding | NotChecked:
+    t = summarize(s, "teacher_hard_ratio")
+    if not t.n or t.mean is None:
+        return NotChecked("teacher_collapse", "no logp_teacher (not a distillation run)")
+    vals = s.col("teacher_hard_ratio")
+    vals = vals[np.isfinite(vals)]
+    late = float(np.mean(vals[-max(1, len(vals) // 3) :]))
+    score = 0.9 * ramp_log(t.trend, th.TEACHER_RISE_LO, th.TEACHER_RISE_HI)
+    score *= ramp(late, th.TEACHER_HARD_LO, th.TEACHER_HARD_HI)
+    evidence = [
+        Evidence("teacher_hard_ratio", (t.first, t.last), t.mean, t.trend, f"last third {g(late)}")
+    ]
+    soft = summarize(s, "teacher_soft_ratio")
+    if soft.mean is not None:
+        evidence.append(Evidence("teacher_soft_ratio", (soft.first, soft.last), soft.mean,
+                                 soft.trend))  # fmt: skip
+    head = "teacher collapse" if score >= th.FIRES else "teacher holds"
+    verdict = f"{head}: teacher_hard_ratio ×{g(t.trend)} late/early, {g(late)} in the last third"
+    return Finding("teacher_collapse", score, verdict, _TEACHER_ACTION, evidence)
