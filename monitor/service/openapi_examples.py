@@ -196,6 +196,11 @@ FINISH_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
     401: error("Missing or wrong bearer token (writes need TIMWATCH_TOKEN).", "unauthorized"),
     404: error("Unknown run.", "run 'x' not found"),
+    422: error(
+        "A malformed Timwatch-Tap-Dropped header.",
+        "header Timwatch-Tap-Dropped must be an integer from 0 to 2147483648, got 'x'",
+        field="Timwatch-Tap-Dropped",
+    ),
     503: read_errors()[503],
 }
 
