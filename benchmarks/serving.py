@@ -18,7 +18,6 @@ Bounded (about a minute on 2 cores; a hard deadline of 170 s stops it). Prints:
 from __future__ import annotations
 
 import argparse
-import os
 import sqlite3
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.helpers.pg import fresh_database  # noqa: E402
 from timwatch.monitor.core.accumulator import Accumulator  # noqa: E402
 from timwatch.monitor.core.batch import Batch  # noqa: E402
 from timwatch.monitor.core.engine import accumulate  # noqa: E402
@@ -219,24 +219,6 @@ def postgres_locked(db: str) -> Iterator[None]:
         other.dispose()
 
 
-@contextmanager
-def postgres_database(base: str) -> Iterator[str]:
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
-    name = f"tw_serving_{os.getpid()}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(base).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
 def locked_writes(url: str, hold: AbstractContextManager[None], producers: int, what: str) -> None:
     bodies = [batch(200 + s, 5, batch_id=f"lk{s}").to_safetensors() for s in range(producers)]
     to_503: list[float] = []
@@ -296,7 +278,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
         if args.pg_url:
-            with postgres_database(args.pg_url) as db:
+            with fresh_database("tw_serving", args.pg_url) as db:
                 port = free_port()
                 proc = start_server(db, port, Path(tmp) / "server-pg.log")
                 url = f"http://127.0.0.1:{port}"

@@ -25,12 +25,13 @@ def pg_base_url() -> str:
 
 
 @contextmanager
-def fresh_database(prefix: str = "tw") -> Iterator[str]:
-    """The URL of a new, empty database, dropped (connections and all) on exit."""
+def fresh_database(prefix: str = "tw", base: str | None = None) -> Iterator[str]:
+    """The URL of a new, empty database on `base` (default the tests' server), dropped
+    (connections and all) on exit."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
-    base = pg_base_url()
+    base = base or pg_base_url()
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = create_engine(base, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
