@@ -17,13 +17,15 @@ from timwatch.monitor.service.deps import StoreDep, require_read
 from timwatch.monitor.service.responses import json_response, metric_column, split_list
 from timwatch.monitor.store import METRIC_COLUMNS, Store
 
-__all__ = ["MAX_LAST", "STEP_MAX", "router"]
+__all__ = ["MAX_LAST", "STEP_MAX", "StepQuery", "check_step_range", "known_run", "router"]
 
 #: steps are BigInteger keys: every step parameter is bounded to [0, STEP_MAX] (a 422 naming
 #: the parameter, never an overflow in the driver)
 STEP_MAX = 2**63 - 1
 #: the most steps ``last=N`` may ask for
 MAX_LAST = 10**9
+#: an optional, inclusive step bound of a query (``from_step``, ``to_step``)
+StepQuery = Annotated[int | None, Query(ge=0, le=STEP_MAX)]
 
 router = APIRouter(tags=["history"], dependencies=[Depends(require_read)])
 
@@ -35,9 +37,16 @@ _METRICS_DESCRIPTION = (
 )
 
 
-def _known_run(store: Store, run: str) -> None:
+def known_run(store: Store, run: str) -> None:
+    """404 unless `run` is a valid id the store knows."""
     if check_run_id(run) or not store.run_exists(run):
         raise ApiError(404, f"run {run[:200]!r} not found")
+
+
+def check_step_range(from_step: int | None, to_step: int | None) -> None:
+    """422 when both bounds are given and ``from_step`` is after ``to_step``."""
+    if from_step is not None and to_step is not None and from_step > to_step:
+        raise ApiError(422, f"from_step {from_step} is after to_step {to_step}")
 
 
 def _columns(requested: list[str]) -> list[str]:
@@ -66,14 +75,14 @@ def metrics_query(
     run: str,
     store: StoreDep,
     names: Annotated[str, Query(description="comma-separated metric names")] = "mismatch_kl",
-    from_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
-    to_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
+    from_step: StepQuery = None,
+    to_step: StepQuery = None,
     last: Annotated[int | None, Query(ge=1, le=MAX_LAST)] = None,
     format: Annotated[str, Query(pattern="^(json|csv)$")] = "json",
 ) -> Response:
     requested = split_list(names)
     cols = _columns(requested)
-    _known_run(store, run)
+    known_run(store, run)
     window = {"from_step": from_step, "to_step": to_step, "last": last}
     if format == "csv":
         steps, rows = store.query_metrics(run, cols, **window)
@@ -108,5 +117,5 @@ def get_step(run: str, step: Annotated[int, Path(ge=0, le=STEP_MAX)], store: Sto
 def get_events(
     run: str, store: StoreDep, limit: Annotated[int, Query(ge=1, le=10000)] = 100
 ) -> Response:
-    _known_run(store, run)
+    known_run(store, run)
     return json_response({"run": run, "events": store.list_events(run, limit)})

@@ -7,9 +7,7 @@ event loop that serves ``/metrics`` and ingest.
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
 from timwatch.monitor.core.errors import ApiError
@@ -17,7 +15,7 @@ from timwatch.monitor.core.runid import check_run_id
 from timwatch.monitor.report import build_report
 from timwatch.monitor.service import openapi_examples as ex
 from timwatch.monitor.service.deps import StoreDep, require_read
-from timwatch.monitor.service.routes.history import STEP_MAX
+from timwatch.monitor.service.routes.history import StepQuery, check_step_range
 
 __all__ = ["router"]
 
@@ -34,11 +32,10 @@ router = APIRouter(tags=["history"], dependencies=[Depends(require_read)])
 def report_html(
     run: str,
     store: StoreDep,
-    from_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
-    to_step: Annotated[int | None, Query(ge=0, le=STEP_MAX)] = None,
+    from_step: StepQuery = None,
+    to_step: StepQuery = None,
 ) -> HTMLResponse:
-    if from_step is not None and to_step is not None and from_step > to_step:
-        raise ApiError(422, f"from_step {from_step} is after to_step {to_step}")
+    check_step_range(from_step, to_step)
     if check_run_id(run):
         raise ApiError(404, f"run {run[:200]!r} not found")
     try:
