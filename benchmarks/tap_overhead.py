@@ -61,9 +61,11 @@ def _server(db: str) -> tuple[subprocess.Popen[bytes], str]:
     raise SystemExit("server did not start")
 
 
-def _payload(n: int, kind: str) -> dict[str, Any]:
+def payload(n: int, kind: str, seq_len: int = 512) -> dict[str, Any]:
+    """`n` tokens in sequences of `seq_len` as a trainer reports them: numpy arrays, or CPU
+    (``torch``) or ``cuda`` tensors with bf16 trainer log-probs and a bool mask."""
     rng = np.random.default_rng(n)
-    seqs = max(1, n // 512)
+    seqs = max(1, n // seq_len)
     cu = np.linspace(0, n, seqs + 1).astype(np.int64)
     mu = -rng.exponential(1.0, n)
     arrays: dict[str, Any] = {
@@ -91,7 +93,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> None:
-    payload = _payload(n, kind)
+    arrays = payload(n, kind)
     tap = Tap(url, f"bench-{kind}-{n}", queue_size=calls + 10, rank=0)
     q: queue.Queue[Any] = queue.Queue()
     sync = None
@@ -104,9 +106,9 @@ def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> None:
         if sync is not None:
             sync()
         t0 = time.perf_counter_ns()
-        tap.report(i, **payload)
+        tap.report(i, **arrays)
         t1 = time.perf_counter_ns()
-        q.put(payload)
+        q.put(arrays)
         t2 = time.perf_counter_ns()
         report_us.append((t1 - t0) / 1e3)
         put_us.append((t2 - t1) / 1e3)

@@ -27,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tap_overhead import payload as trainer_payload  # noqa: E402
 from timwatch.sidecar.tap import Tap  # noqa: E402
 
 
@@ -34,28 +35,6 @@ def _closed_port() -> int:
     with socket.socket() as s:  # bound then closed: nobody listens there
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _payload(n: int, kind: str) -> dict[str, Any]:
-    rng = np.random.default_rng(n)
-    cu = np.linspace(0, n, max(1, n // 1024) + 1).astype(np.int64)
-    mu = -rng.exponential(1.0, n)
-    arrays: dict[str, Any] = {
-        "cu_seqlens": cu,
-        "logp_rollout": mu.astype(np.float32),
-        "logp_train": (mu + rng.normal(0, 1e-3, n)).clip(max=0).astype(np.float32),
-        "entropy": rng.exponential(1.0, n).astype(np.float32),
-        "loss_mask": np.ones(n, np.int8),
-        "token_ids": rng.integers(0, 150_000, n),
-    }
-    if kind == "numpy":
-        return arrays
-    import torch
-
-    out = {k: torch.from_numpy(v) for k, v in arrays.items()}
-    out["logp_train"] = out["logp_train"].bfloat16()
-    out["loss_mask"] = out["loss_mask"].bool()
-    return out
 
 
 def _plain_copy(payload: dict[str, Any]) -> list[np.ndarray]:
@@ -74,7 +53,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> None:
-    payload = _payload(n, kind)
+    payload = trainer_payload(n, kind, seq_len=1024)
     tap = Tap(url, f"bench-{kind}", rank=0, max_retries=2, backoff_s=0.05, max_backoff_s=0.2)
     for i in range(3):  # warm the allocator and the shipper before timing
         tap.report(i, **payload)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 
 from tests.helpers.batches import random_batch
@@ -48,13 +46,6 @@ def arrays_of(seed: int) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------- stand-in monitor
-
-
-@pytest.fixture
-def stand_in() -> Iterator[StandIn]:
-    s = StandIn()
-    yield s
-    s.close()
 
 
 def fast_tap(url: str, **kw: Any) -> Tap:

@@ -10,7 +10,6 @@ checked in the real server's access log and, for the exact request, with
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -30,13 +29,6 @@ def arrays_of(seed: int) -> dict[str, np.ndarray]:
         np.random.default_rng(seed), n_seq=4, max_len=30, optional="all", extreme_masked=False
     )
     return dict(raw.arrays)
-
-
-@pytest.fixture
-def stand_in() -> Iterator[StandIn]:
-    s = StandIn()
-    yield s
-    s.close()
 
 
 def stored(server: ServerProc, run: str, step: int) -> dict[str, Any]:

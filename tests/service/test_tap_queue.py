@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,13 +31,6 @@ def fixed(seed: int) -> dict[str, np.ndarray]:
         "entropy": rng.random(N, np.float32),
         "loss_mask": np.ones(N, np.int8),
     }
-
-
-@pytest.fixture
-def stand_in() -> Iterator[StandIn]:
-    s = StandIn()
-    yield s
-    s.close()
 
 
 def tap_of(url: str, **kw: Any) -> Tap:
