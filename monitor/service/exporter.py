@@ -24,7 +24,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from timwatch.monitor.service.runs import RunRegistry, RunState
+from timwatch.monitor.service.runs import REJECT_REASONS, RunRegistry, RunState
 
 __all__ = ["CONTENT_TYPE", "TimwatchCollector", "make_registry", "render"]
 
@@ -197,8 +197,7 @@ class TimwatchCollector(Collector):
         yield oob
         rejected = CounterMetricFamily(
             "timwatch_rejected_batches",
-            "Batches refused, by reason (validation, too_large, unauthorized, store_unavailable,"
-            " conflict, overloaded).",
+            f"Batches refused, by reason ({', '.join(REJECT_REASONS)}).",
             labels=["reason"],
         )
         for reason, n in (rejected_counts or {}).items():
