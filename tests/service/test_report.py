@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.helpers.batches import random_batch
 from tests.helpers.procs import REPO, ServerProc
@@ -127,6 +128,7 @@ def _ingest_steps(store: Store, run: str, n: int) -> None:
         )  # fmt: skip
 
 
+@pytest.mark.timeout(900)  # 10k ingests: minutes when the machine is busy
 def test_report_of_a_10k_step_run_is_under_5_mb(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'long.db'}", sqlite_synchronous="OFF")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from sqlalchemy import inspect
 from tests.helpers.batches import RawBatch, random_batch, split_at
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import Accumulator, accumulate
+from timwatch.monitor.core.errors import StoreUnavailable
 from timwatch.monitor.core.jsoncodec import dumps, loads
 from timwatch.monitor.core.row import derive_row
 from timwatch.monitor.store import METRIC_COLUMNS, Store, flatten_row
@@ -131,10 +133,18 @@ def test_concurrent_writers_of_one_step(store: Store) -> None:
     errors: list[BaseException] = []
 
     def work(p: RawBatch) -> None:
-        try:
-            record(store, "c", p)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        # a busy store refuses fast (the service answers 503 + Retry-After); writers retry as
+        # the tap does, and every part must still count exactly once
+        for _ in range(200):
+            try:
+                record(store, "c", p)
+                return
+            except StoreUnavailable:
+                time.sleep(0.05)
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+                return
+        errors.append(TimeoutError(f"part {p.batch_id} still refused after 200 tries"))
 
     threads = [threading.Thread(target=work, args=(p,)) for p in parts + parts]
     for t in threads:
