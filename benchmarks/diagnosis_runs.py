@@ -2,13 +2,16 @@
 real RL loop (`timwatch.sidecar.demo.train.DemoTrainer`: a tiny LM, its rollout engine in
 ``precision`` with weights ``lag`` versions old, an fp32 trainer), each diagnosed from the
 history it left; prints the metrics each run measured and the accuracy table (cause → top-1 /
-top-2 hits). Nothing is injected except where a scenario says so (``token_drift``: a share of
-response tokens reaches the trainer as another id, a tokenization round-trip bug).
+top-2 hits). The causes come from engine settings that real engines have, not from writing the
+metrics: bf16/fp16 weights, a lag, rotary angles computed in bf16 (``rope_dtype``), an fp8 decode
+KV cache (``kv_dtype``), a distillation teacher whose temperature is annealed
+(``teacher_decay``). Only the ``tokenization`` scenario injects a bug (``token_drift``: a share
+of response tokens reaches the trainer as another id, a round trip that does not hold).
 
-The label ``none`` is a healthy run: it is a hit when no cause scores at least
+The label ``none`` is a run with no cause: it is a hit when no cause scores at least
 `timwatch.monitor.diagnosis.FIRES`. Everything runs in this process (the service on loopback,
-SQLite in a temporary directory) and is bounded by ``--steps`` (20-30 steps take well under a
-minute per scenario on one core).
+SQLite in a temporary directory) and is bounded by ``--steps`` (24 steps take 5-30 s per
+scenario on one core).
 
     python benchmarks/diagnosis_runs.py [--steps 24] [--batch 16] [--max-new-tokens 24]
         [--only precision-bf16,staleness-fp32] [--repeats 1] [--json]
@@ -41,10 +44,11 @@ SHOWN = (
     "entropy_delta_corr",
     "entropy_mean",
     "token_id_mismatch_ratio",
+    "teacher_hard_ratio",
 )
 
 #: the columns whose late/early trend is printed
-TRENDS = ("mismatch_kl", "entropy_mean", "noise_scale")
+TRENDS = ("mismatch_kl", "entropy_mean", "noise_scale", "teacher_hard_ratio")
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,40 @@ SCENARIOS = (
         "tokenization",
         "fp32 engine, lag 0, 2 % of ids drift",
         {"precision": "fp32", "lag": 0, "token_drift": 0.02},
+    ),  # fmt: skip
+    Scenario(
+        "length-rope",
+        "length",
+        "fp32 engine computing its rotary angles in bf16, lag 0, 32 responses of 2-64 tokens",
+        # its own lengths and batch: enough short and long responses for the length buckets
+        # (≥ 64 tokens each) however small the run
+        {
+            "precision": "fp32",
+            "lag": 0,
+            "rope_dtype": "bf16",
+            "min_new_tokens": 2,
+            "max_new_tokens": 64,
+            "batch": 32,
+        },
+    ),  # fmt: skip  # fmt: skip
+    Scenario(
+        "decode-kv-fp8",
+        "decode_vs_prefill",
+        "fp32 engine with an fp8 (e4m3) decode KV cache, lag 0, prefill probes",
+        {"precision": "fp32", "lag": 0, "kv_dtype": "fp8"},
+        probe=True,
+    ),  # fmt: skip
+    Scenario(
+        "teacher-anneal",
+        "teacher_collapse",
+        "fp32 engine, lag 0, distillation teacher's temperature annealed 0.7x per step",
+        {"precision": "fp32", "lag": 0, "teacher_decay": 0.7},
+    ),  # fmt: skip
+    Scenario(
+        "teacher-steady",
+        "none",
+        "fp32 engine, lag 0, distillation teacher at a constant temperature 1",
+        {"precision": "fp32", "lag": 0, "teacher_decay": 1.0},
     ),  # fmt: skip
     Scenario("healthy-fp32", "none", "fp32 engine, lag 0", {"precision": "fp32", "lag": 0}),
 )
@@ -114,7 +152,7 @@ def _one(service: Any, sc: Scenario, run: str, *, steps: int, common: dict[str, 
             captured["prompt"], captured["roll"] = prompt, generate(prompt, new, gen)
             return captured["roll"]
 
-        trainer.engine.generate = keep  # type: ignore[method-assign]
+        trainer.engine.generate = keep  # type: ignore[method-assign,assignment]
     taps = [Tap(service.url, run, rank=0, finish=False)]
     if sc.probe:
         taps.append(Tap(service.url, f"{run}{PROBE_SUFFIX}", rank=0, finish=False))
@@ -163,9 +201,11 @@ def run_scenarios(
                     _, cols = service.store.query_series(run, SHOWN)
                     means = {n: _mean(cols[n]) for n in SHOWN}
                     trends = {n: _trend(cols[n]) for n in TRENDS}
+                    signals = _signals(d, cols["teacher_hard_ratio"], means)
                     out.append({
                         "scenario": sc.name, "label": sc.label, "what": sc.what, "run": run,
                         "seconds": round(time.monotonic() - t, 1), "means": means, "trends": trends,
+                        "signals": signals,
                         "verdicts": {c["cause"]: c["verdict"] for c in d["causes"]},
                         "ranked": [(c["cause"], c["score"]) for c in d["causes"]],
                         "not_checked": [n["cause"] for n in d["not_checked"]],
@@ -173,6 +213,34 @@ def run_scenarios(
         finally:
             service.stop()
     return out
+
+
+#: what the localising and teacher rules read, per run (docs/diagnosis.md quotes them)
+SIGNALS = ("length ×/doubling", "probe share", "teacher_hard first → last third", "soft ×shrink")
+
+
+def _signals(d: dict[str, Any], hard: Any, means: dict[str, Any]) -> dict[str, Any]:
+    """k3 per token ×f per doubling of length (the length rule's fit), the probe run's share of
+    the engine-only KL, and teacher_hard_ratio's first and last third with the soft share's
+    shrink (the teacher rule's inputs)."""
+    ev = {c["cause"]: c["evidence"] for c in d["causes"]}
+    length = ev.get("length", [{}])[0].get("value")
+    share = None
+    if "decode_vs_prefill" in ev and means.get("discrepancy_kl"):
+        share = ev["decode_vs_prefill"][0]["value"] / means["discrepancy_kl"]
+    xs = [float(v) for v in hard if v is not None and float(v) == float(v)]
+    first = last = shrink = None
+    if len(xs) >= 3:
+        k = max(1, len(xs) // 3)
+        first, last = sum(xs[:k]) / k, sum(xs[-k:]) / k
+        shrink = (1 - first) / max(1 - last, 1e-6)
+    return {SIGNALS[0]: length, SIGNALS[1]: share, SIGNALS[2]: (first, last), SIGNALS[3]: shrink}
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, tuple):
+        return "-" if v[0] is None else f"{v[0]:.3g} → {v[1]:.3g}"
+    return "-" if v is None else f"{v:.3g}"
 
 
 def _trend(values: Any) -> float | None:
@@ -227,6 +295,9 @@ def table(results: list[dict[str, Any]]) -> str:
         vals = " | ".join("-" if r["trends"][n] is None else f"{r['trends'][n]:.3g}"
                           for n in TRENDS)  # fmt: skip
         lines.append(f"| {r['run']} | {vals} |")
+    lines += ["", "| run | " + " | ".join(SIGNALS) + " |", "|---|" + "---|" * len(SIGNALS)]
+    for r in results:
+        lines.append(f"| {r['run']} | " + " | ".join(_fmt(r["signals"][n]) for n in SIGNALS) + " |")
     return "\n".join(lines)
 
 

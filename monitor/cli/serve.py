@@ -61,6 +61,16 @@ def serve(
     nonfinite: Annotated[
         str, typer.Option(help="refuse: 422 on NaN/inf; drop: mask and count such tokens")
     ] = "refuse",
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TIMWATCH_TOKENIZER",
+            metavar="FILE",
+            help="a Hugging Face tokenizer.json: the incident report shows the worst tokens' "
+            "text, not only their ids",
+            show_default=False,
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     *,
     params: PolicyParams,
@@ -73,5 +83,6 @@ def serve(
         host=host, port=port, db_url=db, token=token or None, read_token=read_token or None,
         max_body=max_body, max_inflight=max_inflight, run_ttl=run_ttl, finish_grace=finish_grace,
         nonfinite=check_nonfinite(nonfinite), params=params, insecure=insecure,
+        tokenizer=tokenizer or None,
     )  # fmt: skip
     run_server(settings, log_level=log_level)

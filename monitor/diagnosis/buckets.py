@@ -9,9 +9,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from timwatch.monitor.diagnosis.series import StepSeries
 
-__all__ = ["Bucket", "detail_span", "merge_buckets", "worst_mu"]
+__all__ = ["Bucket", "LengthGrowth", "detail_span", "length_growth", "merge_buckets", "worst_mu"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +64,27 @@ def worst_mu(series: StepSeries) -> list[float]:
             if lp is not None and math.isfinite(float(lp)):
                 out.append(math.exp(min(0.0, float(lp))))
     return out
+
+
+@dataclass(frozen=True)
+class LengthGrowth:
+    """k3 per token ×``per_doubling`` per doubling of the response length, fitted over
+    ``buckets`` (ascending log2 length, each with ≥ ``min_tokens`` tokens and k3 > 0)."""
+
+    per_doubling: float
+    buckets: list[Bucket]
+
+
+def length_growth(series: StepSeries, min_tokens: int) -> LengthGrowth | None:
+    """The token-weighted least-squares slope of log k3 against the log2 length bucket, as a
+    factor per doubling; None with fewer than 2 usable buckets."""
+    buckets = [b for b in merge_buckets(series, "length_buckets", min_tokens) if b.mismatch_kl > 0]
+    if len(buckets) < 2:
+        return None
+    x = np.array([b.key for b in buckets], dtype=np.float64)
+    y = np.log([b.mismatch_kl for b in buckets])
+    w = np.array([b.tokens for b in buckets], dtype=np.float64)
+    xm, ym = np.average(x, weights=w), np.average(y, weights=w)
+    var = float(np.average((x - xm) ** 2, weights=w))
+    slope = float(np.average((x - xm) * (y - ym), weights=w)) / var if var > 0 else 0.0
+    return LengthGrowth(math.exp(slope), buckets)

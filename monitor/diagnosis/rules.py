@@ -12,11 +12,20 @@ import math
 from dataclasses import dataclass
 
 from timwatch.monitor.diagnosis import thresholds as th
-from timwatch.monitor.diagnosis.buckets import detail_span, merge_buckets
+from timwatch.monitor.diagnosis.buckets import detail_span, length_growth, merge_buckets
 from timwatch.monitor.diagnosis.findings import Evidence, Finding, NotChecked, ramp, ramp_log
 from timwatch.monitor.diagnosis.series import PROBE_SUFFIX, StepSeries, summarize
 
-__all__ = ["EngineGap", "decode_vs_prefill", "engine_gap", "g", "precision", "staleness"]
+__all__ = [
+    "EngineGap",
+    "decode_vs_prefill",
+    "engine_gap",
+    "g",
+    "localized",
+    "precision",
+    "probe_share",
+    "staleness",
+]
 
 
 def g(x: float | None) -> str:
@@ -59,6 +68,13 @@ def engine_gap(s: StepSeries) -> EngineGap | None:
     return EngineGap(m.mean, Evidence("mismatch_kl", (m.first, m.last), m.mean, m.trend, note))
 
 
+_PRECISION_ACTION_FP16 = (
+    "The gap sits at FP16's rounding level: the engine already rounds like fp16 (or finer) and "
+    "this is what that format leaves. To go lower, match the trainer's kernels and dtype (fp32 "
+    "logits/lm_head in both, SGLang `--enable-deterministic-inference` for batch-invariant "
+    "kernels); otherwise keep a token correction on: verl "
+    "`algorithm.rollout_correction.rollout_is=token`, slime `--use-tis`, or timwatch's ESTR mask."
+)
 _PRECISION_ACTION = (
     "Run the engine in FP16 or match the kernels: verl "
     "`actor_rollout_ref.rollout.dtype=float16` (the actor's FSDP dtype to match), "
@@ -68,6 +84,30 @@ _PRECISION_ACTION = (
     "correction on: verl `algorithm.rollout_correction.rollout_is=token`, slime `--use-tis`, "
     "or timwatch's ESTR mask."
 )
+
+
+def localized(s: StepSeries, gap: EngineGap) -> tuple[float, str | None]:
+    """How far the evidence localises the engine gap (0 none, 1 fully): in the decode path (the
+    probe run's share of it) or in a growth with the response length. Rounding of a format is
+    neither: it is there in prefill as in decode, at every position."""
+    out, why = 0.0, None
+    share = probe_share(s, gap)
+    if share is not None and ramp(share, th.PROBE_SHARE_LO, th.PROBE_SHARE_HI) > out:
+        out, why = ramp(share, th.PROBE_SHARE_LO, th.PROBE_SHARE_HI), "the decode path holds it"
+    growth = length_growth(s, th.MIN_BUCKET_TOKENS)
+    if growth is not None:
+        rise = ramp_log(growth.per_doubling, th.LENGTH_RISE_LO, th.LENGTH_RISE_HI)
+        if rise > out:
+            out, why = rise, f"it grows ×{growth.per_doubling:.3g} per doubling of length"
+    return out, why
+
+
+def probe_share(s: StepSeries, gap: EngineGap | None) -> float | None:
+    """The probe run's mean mismatch_kl over the engine-only KL (None without either)."""
+    if s.probe is None or gap is None or gap.value <= 0:
+        return None
+    p = summarize(s.probe, "mismatch_kl")
+    return None if p.mean is None else p.mean / gap.value
 
 
 def precision(s: StepSeries) -> Finding | NotChecked:
@@ -80,7 +120,7 @@ def precision(s: StepSeries) -> Finding | NotChecked:
     corr = summarize(s, "entropy_delta_corr")
     noise = summarize(s, "noise_scale")
     stale = summarize(s, "staleness_kl")
-    level = ramp_log(gap.value, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
+    level = ramp_log(gap.value, th.ROUNDING_KL_LO, th.ROUNDING_KL_HI)
     corr_f = 0.5 if corr.mean is None else ramp(corr.mean, th.CORR_LO, th.CORR_HI)
     share = 1.0
     if stale.mean is not None and gap.value + stale.mean > 0:
@@ -89,7 +129,9 @@ def precision(s: StepSeries) -> Finding | NotChecked:
     if noise.mean is not None:  # far above any format's rounding level: not rounding
         cap = th.NOISE_IMPLAUSIBLE * th.NOISE_BF16
         plausible = 1.0 - ramp_log(noise.mean, cap, 10 * cap)
+    where, why = localized(s, gap)
     score = 0.95 * level * (0.8 + 0.2 * corr_f) * (0.3 + 0.7 * share) * plausible
+    score *= 1.0 - th.LOCALIZED_SHARE * where
     evidence = [gap.evidence]
     parts = [f"engine-only KL {g(gap.value)} ({gap.evidence.metric})"]
     if stale.mean is not None:
@@ -100,6 +142,7 @@ def precision(s: StepSeries) -> Finding | NotChecked:
             "Pearson(δ², H): rounding error grows with entropy",
         ))  # fmt: skip
         parts.append(f"Pearson(δ², H) {corr.mean:.2f}")
+    fmt = None
     if noise.mean is not None:
         at = _log(noise.mean)
         fmt, ref = min(
@@ -115,8 +158,11 @@ def precision(s: StepSeries) -> Finding | NotChecked:
             note + ("; stable" if stable else ""),
         ))  # fmt: skip
         parts.append(f"σ̂² {g(noise.mean)} (nearest {fmt}'s {g(ref)})")
+    if why is not None and where > 0:
+        parts.append(f"but {why} (a more specific cause)")
     head = "engine precision/kernels" if score >= th.FIRES else "no dominant precision gap"
-    return Finding("precision", score, f"{head}: " + ", ".join(parts), _PRECISION_ACTION, evidence)
+    action = _PRECISION_ACTION_FP16 if fmt == "fp16" else _PRECISION_ACTION
+    return Finding("precision", score, f"{head}: " + ", ".join(parts), action, evidence)
 
 
 def _log(x: float | None) -> float:
@@ -182,8 +228,10 @@ def staleness(s: StepSeries) -> Finding | NotChecked:
 
 
 _DECODE_ACTION = (
-    "The engine's decode path differs from its own prefill: use batch-invariant decode kernels "
-    "(SGLang `--enable-deterministic-inference`, with an attention backend it supports: "
+    "The engine's decode path differs from its own prefill: keep the KV cache in the model's "
+    "dtype (SGLang/vLLM `--kv-cache-dtype auto`; an fp8 cache without calibrated scales rounds "
+    "every cached K and V), use batch-invariant decode kernels (SGLang "
+    "`--enable-deterministic-inference`, with an attention backend it supports: "
     "`--attention-backend flashinfer|fa3|triton`) and the same attention implementation as the "
     "trainer; re-check with the probe run."
 )
@@ -197,15 +245,15 @@ def decode_vs_prefill(s: StepSeries) -> Finding | NotChecked:
         )  # fmt: skip
     p = summarize(s.probe, "mismatch_kl")
     gap = engine_gap(s)
-    if p.mean is None or gap is None or gap.value <= 0:
+    share = probe_share(s, gap)
+    if share is None or gap is None:
         return NotChecked(
             "decode_vs_prefill", "the probe run or the main run has no engine-only mismatch"
         )
-    share = p.mean / gap.value
     score = (
         0.95
         * ramp(share, th.PROBE_SHARE_LO, th.PROBE_SHARE_HI)
-        * ramp_log(gap.value, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
+        * ramp_log(gap.value, th.ROUNDING_KL_LO, th.ROUNDING_KL_HI)
     )
     evidence = [
         Evidence(

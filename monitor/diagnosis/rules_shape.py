@@ -3,12 +3,10 @@ low-probability tokens, distillation teacher collapse. Same contract as ``rules.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from timwatch.monitor.diagnosis import thresholds as th
-from timwatch.monitor.diagnosis.buckets import detail_span, merge_buckets, worst_mu
+from timwatch.monitor.diagnosis.buckets import detail_span, length_growth, worst_mu
 from timwatch.monitor.diagnosis.findings import Evidence, Finding, NotChecked, ramp, ramp_log
 from timwatch.monitor.diagnosis.rules import g
 from timwatch.monitor.diagnosis.series import StepSeries, summarize
@@ -19,26 +17,21 @@ _LENGTH_ACTION = (
     "Correct at the sequence level, where long responses pay most: verl "
     "`algorithm.rollout_correction.rollout_rs=geometric` (Geo-RS, `rollout_rs_threshold` ~1.001) "
     "or `rollout_is=sequence` (seq-MIS), timwatch's `geo_rs` / `seq_mis` policies; cap the "
-    "response length while the mismatch grows."
+    "response length while the mismatch grows. An engine error that grows with the position is "
+    "numeric: check that the engine computes its rotary angles (RoPE cos/sin cache) in fp32, as "
+    "transformers forces since PR #29285."
 )
 
 
 def length(s: StepSeries) -> Finding | NotChecked:
-    buckets = merge_buckets(s, "length_buckets", th.MIN_BUCKET_TOKENS)
-    buckets = [b for b in buckets if b.mismatch_kl > 0]
-    if len(buckets) < 2:
+    growth = length_growth(s, th.MIN_BUCKET_TOKENS)
+    if growth is None:
         return NotChecked(
             "length", f"fewer than 2 length buckets with ≥ {th.MIN_BUCKET_TOKENS} tokens "
             "(responses of about one length, or no details stored)",
         )  # fmt: skip
-    x = np.array([b.key for b in buckets], dtype=np.float64)
-    y = np.log([b.mismatch_kl for b in buckets])
-    w = np.array([b.tokens for b in buckets], dtype=np.float64)
-    xm, ym = np.average(x, weights=w), np.average(y, weights=w)
-    var = float(np.average((x - xm) ** 2, weights=w))
-    slope = float(np.average((x - xm) * (y - ym), weights=w)) / var if var > 0 else 0.0
-    per_doubling = math.exp(slope)
-    level = ramp_log(summarize(s, "mismatch_kl").mean, th.ENGINE_KL_LO, th.ENGINE_KL_HI)
+    per_doubling, buckets = growth.per_doubling, growth.buckets
+    level = ramp_log(summarize(s, "mismatch_kl").mean, th.ROUNDING_KL_LO, th.ROUNDING_KL_HI)
     score = 0.9 * ramp_log(per_doubling, th.LENGTH_RISE_LO, th.LENGTH_RISE_HI)
     score *= 0.3 + 0.7 * level
     lo, hi = buckets[0], buckets[-1]
@@ -52,7 +45,10 @@ def length(s: StepSeries) -> Finding | NotChecked:
     if sl.mean is not None:
         evidence.append(Evidence("seq_log_ratio_abs_mean", (sl.first, sl.last), sl.mean, sl.trend))
     head = "mismatch grows with length" if score >= th.FIRES else "no length effect"
-    verdict = f"{head}: k3 per token ×{per_doubling:.3g} per doubling of response length"
+    verdict = (
+        f"{head}: k3 per token ×{per_doubling:.3g} per doubling of response length "
+        f"({g(lo.mismatch_kl)} at 2^{lo.key} tokens, {g(hi.mismatch_kl)} at 2^{hi.key})"
+    )
     return Finding("length", score, verdict, _LENGTH_ACTION, evidence)
 
 
@@ -139,8 +135,8 @@ def entropy_collapse(s: StepSeries) -> Finding | NotChecked:
 
 _TEACHER_ACTION = (
     "The teacher has become near-deterministic on the student's samples (few soft targets left): "
-    "raise the teacher's temperature, check its checkpoint, or weight the distillation loss "
-    "down on hard tokens."
+    "check the teacher-temperature schedule and raise the temperature, check the teacher's "
+    "checkpoint, or weight the distillation loss down on hard tokens."
 )
 
 
@@ -150,16 +146,24 @@ def teacher_collapse(s: StepSeries) -> Finding | NotChecked:
         return NotChecked("teacher_collapse", "no logp_teacher (not a distillation run)")
     vals = s.col("teacher_hard_ratio")
     vals = vals[np.isfinite(vals)]
-    late = float(np.mean(vals[-max(1, len(vals) // 3) :]))
-    score = 0.9 * ramp_log(t.trend, th.TEACHER_RISE_LO, th.TEACHER_RISE_HI)
+    k = max(1, len(vals) // 3)
+    early, late = float(np.mean(vals[:k])), float(np.mean(vals[-k:]))
+    # the hard ratio is bounded by 1, so its rise is read on the soft share left (1 − hard)
+    shrink = (1.0 - early) / max(1.0 - late, 1e-6) if len(vals) >= 3 else None
+    score = 0.9 * ramp_log(shrink, th.TEACHER_SHRINK_LO, th.TEACHER_SHRINK_HI)
     score *= ramp(late, th.TEACHER_HARD_LO, th.TEACHER_HARD_HI)
-    evidence = [
-        Evidence("teacher_hard_ratio", (t.first, t.last), t.mean, t.trend, f"last third {g(late)}")
-    ]
+    evidence = [Evidence(
+        "teacher_hard_ratio", (t.first, t.last), t.mean, t.trend,
+        f"first third {g(early)}, last third {g(late)}: the soft share 1 − hard shrank "
+        f"×{g(shrink)}",
+    )]  # fmt: skip
     soft = summarize(s, "teacher_soft_ratio")
     if soft.mean is not None:
         evidence.append(Evidence("teacher_soft_ratio", (soft.first, soft.last), soft.mean,
                                  soft.trend))  # fmt: skip
     head = "teacher collapse" if score >= th.FIRES else "teacher holds"
-    verdict = f"{head}: teacher_hard_ratio ×{g(t.trend)} late/early, {g(late)} in the last third"
+    verdict = (
+        f"{head}: teacher_hard_ratio {g(early)} → {g(late)} (first → last third), the "
+        f"share of tokens with a soft teacher probability shrank ×{g(shrink)}"
+    )
     return Finding("teacher_collapse", score, verdict, _TEACHER_ACTION, evidence)

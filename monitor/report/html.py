@@ -20,8 +20,9 @@ from timwatch.monitor.report.thresholds import MASK_POLICY_THRESHOLDS, SERIES_TH
 
 __all__ = ["diagnosis_section", "render"]
 
-#: token id → text; None: no tokenizer is known, the table shows ids only
-TokenText = Callable[[int], str] | None
+#: token id → text (None for an id it does not know); None: no tokenizer is known, the table
+#: shows ids only (`timwatch.monitor.report.tokenizer` reads one from a tokenizer.json)
+TokenText = Callable[[int], str | None] | None
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px auto;
@@ -189,9 +190,11 @@ def _worst(data: ReportData, token_text: TokenText) -> str:
     if not data.worst_tokens:
         return '<p class="note">no tokens in this range</p>'
     note = (
-        "Token ids are shown without text: timwatch stores ids only and no tokenizer was given."
+        "Token ids are shown without text: timwatch stores ids only and the service was started "
+        "without --tokenizer."
         if token_text is None
-        else "Text decoded with the given tokenizer."
+        else "Text: each token decoded on its own with the service's --tokenizer file, quoted "
+        "as Python writes strings (escapes show whitespace and bytes of unfinished characters)."
     )
     rows = []
     for t in data.worst_tokens:

@@ -3,7 +3,8 @@ includes the routers of `timwatch.monitor.service.routes`.
 
 Per app, on ``app.state``: ``settings``, ``store``, ``runs`` (the live `RunRegistry`),
 ``registry`` (its own Prometheus collector registry, so many apps can live in one process) and
-``serving`` (`Serving`: incremental exposition, in-flight budget, ingest slots, store pinger).
+``serving`` (`Serving`: incremental exposition, in-flight budget, ingest slots, store pinger)
+and ``token_text`` (the ``--tokenizer`` vocabulary the report uses, or None).
 The event loop only moves bytes: parsing, validation, the metric kernel and the database
 transaction of a batch all run in the threadpool, so one big batch never stalls scrapes or
 other clients. ``/metrics`` renders on its own thread and ``/healthz`` answers from memory, so
@@ -21,6 +22,7 @@ from fastapi.responses import Response
 
 from timwatch.monitor.core.errors import ApiError
 from timwatch.monitor.core.version import __version__
+from timwatch.monitor.report.tokenizer import load_tokenizer
 from timwatch.monitor.service.admission import RETRY_AFTER_S
 from timwatch.monitor.service.exporter import make_registry
 from timwatch.monitor.service.responses import encode_masks, json_response, metric_column
@@ -54,7 +56,9 @@ async def _store_down(request: Request, exc: StoreUnavailable) -> Response:
 
 def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     """The ASGI app. Opens (and migrates) the store unless one is given; closes it on
-    shutdown either way. The store pinger runs while the lifespan does."""
+    shutdown either way. The store pinger runs while the lifespan does. A ``tokenizer`` file
+    that cannot be read fails here, before the store opens (`ConfigError`)."""
+    token_text = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
     db = store if store is not None else Store(settings.db_url)
     runs = RunRegistry(ttl=settings.run_ttl, finish_grace=settings.finish_grace)
     serving = Serving.build(settings, db, runs)
@@ -77,6 +81,7 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     app.state.settings, app.state.store, app.state.runs = settings, db, runs
     app.state.registry = make_registry(runs)
     app.state.serving = serving
+    app.state.token_text = token_text
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(StoreUnavailable)(_store_down)
     for router in ROUTERS:

@@ -315,8 +315,9 @@ The incident report of run `{run}` as one self-contained HTML page (inline CSS, 
 data URIs, no script and no external resource: save it and open it offline): the diagnosis,
 mismatch KL, IS-ratio std, mask ratios, entropy and version lag over steps with the alert
 thresholds drawn, the entropy × |δ| heatmap and the length / lag buckets merged over the last
-256 steps of the range, and the worst tokens. `from_step`/`to_step` are inclusive (default: the
-whole run); long ranges are drawn as per-bucket min and max, so the page stays small.
+256 steps of the range, and the worst tokens (with their text when the service runs with
+`--tokenizer tokenizer.json`). `from_step`/`to_step` are inclusive (default: the whole run);
+long ranges are drawn as per-bucket min and max, so the page stays small.
 """
 
 REPORT_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -58,6 +58,8 @@ class Settings:
     nonfinite: Literal["refuse", "drop"] = "refuse"
     params: PolicyParams = field(default_factory=_default_params)
     insecure: bool = False
+    #: a Hugging Face tokenizer.json: the report shows the worst tokens' text (None: ids only)
+    tokenizer: str | None = None
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:

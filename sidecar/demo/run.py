@@ -20,6 +20,10 @@ What runs, all on this machine, nothing downloaded:
 
 The mismatch is what the two numeric paths produce; nothing is injected. With ``--precision
 fp32`` only kernel-order differences remain and the engine mismatch drops by orders of magnitude.
+Engine settings that real engines have add their own mismatch: ``--rope-dtype bf16`` (rotary
+angles computed in bf16, an error that grows with the position), ``--kv-cache-dtype fp8`` (a
+decode KV cache in float8), and ``--teacher-decay`` adds a distillation teacher whose temperature
+is annealed (``benchmarks/diagnosis_runs.py`` uses them for its labelled runs).
 """
 
 from __future__ import annotations
@@ -115,12 +119,41 @@ def demo(
             min=1, help="torch CPU threads (the model is tiny: more threads only contend)"
         ),
     ] = 1,
+    rope_dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="give the LM rotary embeddings, the engine computing their angles in this dtype "
+            "(bf16: error grows with the position)",
+            show_default=False,
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="the engine's decode KV cache dtype: fp8 (e4m3, scale 1), bf16, fp16, fp32 "
+            "(default: the engine's)",
+            show_default=False,
+        ),
+    ] = None,
+    teacher_decay: Annotated[
+        float | None,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="add a distillation teacher at temperature DECAY^step (logp_teacher sent)",
+            show_default=False,
+        ),
+    ] = None,
     live: Annotated[bool, typer.Option(help="rich live view (off: step lines and summary)")] = True,
     hold: Annotated[bool, typer.Option(help="keep serving after the run until Ctrl-C")] = False,
 ) -> None:
     """Train a tiny LM with a bf16 rollout engine and an fp32 trainer; watch the mismatch live."""
     if precision not in PRECISIONS:
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}")
+    if rope_dtype is not None and rope_dtype not in PRECISIONS:
+        raise typer.BadParameter(f"--rope-dtype must be one of {', '.join(PRECISIONS)}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in (*PRECISIONS, "fp8"):
+        raise typer.BadParameter(f"--kv-cache-dtype must be one of {', '.join(PRECISIONS)}, fp8")
     console = make_console()
     console.print("warming up: compiling the metric kernels and building the model…")
     started = time.monotonic()
@@ -129,7 +162,8 @@ def demo(
             service, trainer = _warm_up(
                 console, stack, db=db, port=port, precision=precision, lag=lag, batch=batch,
                 max_new_tokens=max_new_tokens, updates=updates, lr=lr, seed=seed,
-                threads=threads,
+                threads=threads, rope_dtype=rope_dtype, kv_dtype=kv_cache_dtype,
+                teacher_decay=teacher_decay,
             )  # fmt: skip
         except KeyboardInterrupt:
             console.print("interrupted during the warm-up: no step was trained")

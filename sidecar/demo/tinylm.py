@@ -11,6 +11,19 @@ attention over the whole sequence) in different precisions, so their log-probs d
 real engine's and trainer's do; nothing is added to either. The output layer multiplies the
 logits by a state-dependent gain ``exp(a + b·tanh(h·u))`` so that next-token entropies span
 roughly 0.01 to 5 nats from the start, as in real LMs (confident and uncertain positions).
+
+Two engine settings that real engines have, off by default (the labelled runs of
+``benchmarks/diagnosis_runs.py`` use them):
+
+* ``rope=True`` adds rotary position embeddings (NeoX layout) to q and k, and ``rope_dtype`` is
+  the dtype the rotary angles ``position × inv_freq`` are computed in (fp32 by default, as
+  transformers and the serving engines force). In bf16 the angle's absolute error grows with the
+  position (transformers PR #29285: "bfloat16 loses precision on long contexts"), so the decode
+  drifts more the longer the response.
+* ``kv_dtype`` stores the decode path's KV cache in that dtype (K and V rounded when written,
+  read back in the compute dtype), like vLLM/SGLang ``--kv-cache-dtype fp8_e4m3`` with the
+  default scale 1.0. The full-sequence prefill has no cache, so only decode sees the rounding.
+
 Imports torch: demo-only code.
 """
 
@@ -25,6 +38,15 @@ from torch import nn
 
 __all__ = ["TinyLM", "Rollout"]
 
+#: cos and sin of the rotary angles, ``[positions, head_dim / 2]``; None: no rotary embedding
+Rot = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _rotate(x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = rot
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
 
 class _Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
@@ -36,11 +58,14 @@ class _Block(nn.Module):
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _split(self, x: torch.Tensor, rot: Rot) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         shape = (b, t, self.heads, d // self.heads)
-        return (z.view(shape).transpose(1, 2) for z in (q, k, v))  # type: ignore[return-value]
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        if rot is not None:
+            q, k = _rotate(q, rot), _rotate(k, rot)
+        return q, k, v
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
@@ -52,17 +77,21 @@ class _Block(nn.Module):
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.softmax(scores, dim=-1) @ v
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self._split(x)
+    def forward(self, x: torch.Tensor, rot: Rot = None) -> torch.Tensor:
+        q, k, v = self._split(x, rot)
         att = self._attend(q, k, v, causal=True)
         x = x + self.proj(att.transpose(1, 2).reshape(x.shape))
         return x + self.mlp(self.ln2(x))
 
     def step(
-        self, x: torch.Tensor, cache: list[torch.Tensor] | None
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One new position per row; ``cache`` holds [k, v] of the earlier positions."""
-        q, k, v = self._split(x)
+        self, x: torch.Tensor, cache: list[torch.Tensor] | None, rot: Rot = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+        """One new position per row; ``cache`` holds [k, v] of the earlier positions, stored in
+        ``kv_dtype`` (None: the compute dtype)."""
+        q, k, v = self._split(x, rot)
+        if kv_dtype is not None:
+            k, v = k.to(kv_dtype).to(x.dtype), v.to(kv_dtype).to(x.dtype)
         if cache is not None:
             k = torch.cat([cache[0], k], dim=2)
             v = torch.cat([cache[1], v], dim=2)
@@ -82,11 +111,15 @@ class Rollout:
 class TinyLM(nn.Module):
     def __init__(
         self, vocab: int = 320, d: int = 64, layers: int = 2, heads: int = 4, max_len: int = 128,
-        gain: tuple[float, float] = (0.9, 1.3), seed: int = 0,
+        gain: tuple[float, float] = (0.9, 1.3), seed: int = 0, rope: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.vocab, self.max_len = vocab, max_len
+        self.rope, self.head_dim = rope, d // heads
+        #: the dtype the rotary angles are computed in; the decode path's KV cache dtype
+        self.rope_dtype: torch.dtype = torch.float32
+        self.kv_dtype: torch.dtype | None = None
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_len, d)
         self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
@@ -106,12 +139,23 @@ class TinyLM(nn.Module):
         gain = torch.exp(self.gain_a + self.gain_b * torch.tanh(h @ self.gain_u))
         return self.head(h) * gain.unsqueeze(-1)
 
+    def _rot(self, positions: torch.Tensor, dtype: torch.dtype) -> Rot:
+        """cos/sin of ``positions × inv_freq``, the product taken in `rope_dtype`."""
+        if not self.rope:
+            return None
+        half = self.head_dim // 2
+        inv_freq = 10000.0 ** (-torch.arange(half, dtype=torch.float32) / half)
+        ang = positions.to(self.rope_dtype)[:, None] * inv_freq.to(self.rope_dtype)[None, :]
+        ang = ang.float()
+        return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Full-sequence prefill: logits ``[batch, T, vocab]`` for every position."""
-        t = ids.shape[1]
-        x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.tok(ids) + self.pos(positions)
+        rot = self._rot(positions, x.dtype)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rot)
         return self._logits(x)
 
     @torch.no_grad()
@@ -125,8 +169,9 @@ class TinyLM(nn.Module):
         nxt = prompt[:, 0]
         for pos in range(p + new_tokens - 1):
             x = self.tok(nxt[:, None]) + self.pos.weight[pos]
+            rot = self._rot(torch.tensor([pos]), x.dtype)
             for i, block in enumerate(self.blocks):
-                x, caches[i] = cast(_Block, block).step(x, caches[i])
+                x, caches[i] = cast(_Block, block).step(x, caches[i], rot, self.kv_dtype)
             if pos + 1 < p:
                 nxt = prompt[:, pos + 1]
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import re
 import subprocess
 import sys
@@ -70,6 +71,28 @@ def test_report_is_served_read_protected_and_self_contained(
     op = spec["paths"]["/v1/runs/{run}/report.html"]["get"]
     assert set(op["responses"]) == {"200", "401", "404", "422", "503"}
     assert "text/html" in op["responses"]["200"]["content"]
+
+
+def test_report_shows_token_text_from_the_services_tokenizer(
+    server_factory: Callable[..., ServerProc], tmp_path: Path
+) -> None:
+    """``timwatch serve --tokenizer FILE``: the worst tokens carry their text, escaped (every
+    piece here is markup), in the served page and so in the file the CLI writes from it."""
+    vocab = {f"<b>t{i}</b>": i for i in range(150_000)}  # random_batch draws ids below 150k
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab},
+                               "decoder": {"type": "ByteLevel"}}))  # fmt: skip
+    srv = server_factory(args=["--tokenizer", str(tok)])
+    with TimwatchClient(srv.url) as c:
+        raw = random_batch(np.random.default_rng(3), n_seq=6, optional="all")
+        c.ingest("tok-1", as_batch(dataclasses.replace(raw, step=0, batch_id="b0")))
+        page = c.http.get("/v1/runs/tok-1/report.html").text
+    worst = page.split('id="worst"')[1]
+    ids = re.findall(r'<td class="n">(\d+)</td><td><code>', worst)
+    assert len(ids) >= 5, worst[:2000]
+    for i in ids:
+        assert f"<td><code>&#x27;&lt;b&gt;t{i}&lt;/b&gt;&#x27;</code></td>" in worst
+    assert "<b>t" not in page and "--tokenizer file" in page
 
 
 def test_cli_writes_the_served_page(

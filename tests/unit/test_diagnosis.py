@@ -38,12 +38,12 @@ def lag_buckets(k3s: dict[int, float], tokens: int = 400) -> dict[str, Any]:
 def healthy_columns() -> dict[str, list[float | None]]:
     return {
         "tokens": flat(4096),
-        "mismatch_kl": flat(2e-6),
-        "discrepancy_kl": flat(2e-6),
-        "staleness_kl": flat(1e-7),
+        "mismatch_kl": flat(1e-12),  # an fp32 engine's floor (docs/diagnosis.md)
+        "discrepancy_kl": flat(1e-12),
+        "staleness_kl": flat(0.0),
         "entropy_mean": flat(1.5),
         "entropy_delta_corr": flat(0.01),
-        "noise_scale": flat(2e-6),
+        "noise_scale": flat(2e-12),
         "version_lag_mean": flat(0.0),
         "version_lag_max": flat(0.0),
         "intra_switch_ratio": flat(0.0),
@@ -57,8 +57,8 @@ def healthy_columns() -> dict[str, list[float | None]]:
 def healthy_details(n: int = N) -> dict[int, dict[str, Any]]:
     return {
         s: {
-            "length_buckets": length_buckets({2: 2e-6, 3: 2e-6, 4: 2e-6}),
-            "lag_buckets": lag_buckets({0: 2e-6}),
+            "length_buckets": length_buckets({2: 1e-12, 3: 1e-12, 4: 1e-12}),
+            "lag_buckets": lag_buckets({0: 1e-12}),
             "worst_tokens": [{"logp_rollout": -0.5}] * 4,
         }
         for s in range(n)
@@ -103,6 +103,37 @@ def test_precision_fires_on_an_engine_only_gap_that_scales_with_entropy() -> Non
     weaker = scores(make(discrepancy_kl=flat(3e-3), mismatch_kl=flat(3e-3),
                          entropy_delta_corr=flat(0.0)))["precision"]  # fmt: skip
     assert weaker < first["score"]
+
+
+def test_precision_fires_at_the_fp16_rounding_level_and_says_so() -> None:
+    s = make(discrepancy_kl=flat(7e-6), mismatch_kl=flat(7e-6), noise_scale=flat(1.5e-5))
+    first = diagnose(s).to_dict()["causes"][0]
+    assert first["cause"] == "precision" and first["score"] >= FIRES
+    assert "nearest fp16" in first["verdict"]
+    assert first["action"].startswith("The gap sits at FP16's rounding level")
+    # the fp32 floor is no gap; the ramp is on a log scale between the two
+    assert scores(make(discrepancy_kl=flat(1e-12), mismatch_kl=flat(1e-12)))["precision"] == 0
+    mid = scores(make(discrepancy_kl=flat(1e-7), mismatch_kl=flat(1e-7)))["precision"]
+    assert 0 < mid < first["score"]
+
+
+def test_precision_yields_to_a_localized_cause() -> None:
+    bf16 = {"discrepancy_kl": flat(7e-4), "mismatch_kl": flat(7e-4),
+            "noise_scale": flat(th.NOISE_BF16)}  # fmt: skip
+    alone = scores(make(**bf16))["precision"]
+    rising = healthy_details()
+    for d in rising.values():
+        d["length_buckets"] = length_buckets({2: 1e-4, 3: 4e-4, 4: 1.6e-3})
+    d = diagnose(make(details=rising, **bf16)).to_dict()
+    assert d["causes"][0]["cause"] == "length"
+    prec = next(c for c in d["causes"] if c["cause"] == "precision")
+    assert prec["score"] == pytest.approx(alone * (1 - th.LOCALIZED_SHARE), abs=1e-3)
+    assert "grows ×4 per doubling of length" in prec["verdict"]
+    probe = StepSeries.build("r-prefill-probe", list(range(N)), {"mismatch_kl": flat(7e-4)})
+    d = diagnose(make(probe=probe, **bf16)).to_dict()
+    assert d["causes"][0]["cause"] == "decode_vs_prefill"
+    prec = next(c for c in d["causes"] if c["cause"] == "precision")
+    assert "the decode path holds it" in prec["verdict"] and prec["score"] < alone
 
 
 def test_precision_uses_the_lag0_bucket_without_logp_old() -> None:
@@ -186,10 +217,16 @@ def test_entropy_collapse_fires_on_falling_entropy_and_low_mu_worst_tokens() -> 
     assert scores(quiet)["entropy_collapse"] < FIRES
 
 
-def test_teacher_collapse_fires_on_a_rising_hard_ratio() -> None:
-    s = make(teacher_hard_ratio=line(0.5, 0.98), teacher_soft_ratio=line(0.3, 0.01))
-    assert scores(s)["teacher_collapse"] >= FIRES
-    assert scores(make(teacher_hard_ratio=flat(0.7)))["teacher_collapse"] < FIRES
+def test_teacher_collapse_fires_when_the_soft_share_vanishes() -> None:
+    s = make(teacher_hard_ratio=line(0.7, 1.0), teacher_soft_ratio=line(0.2, 0.0))
+    f = next(c for c in diagnose(s).to_dict()["causes"] if c["cause"] == "teacher_collapse")
+    assert f["score"] >= FIRES and "→" in f["verdict"]
+    # early third ≈ 0.74, late ≈ 0.96: the soft share shrank ×6 or more
+    assert f["evidence"][0]["detail"].startswith("first third 0.74")
+    assert scores(make(teacher_hard_ratio=flat(0.7)))["teacher_collapse"] == 0
+    # a ×1.5 rise that still leaves soft targets (a student drifting from a steady teacher,
+    # measured 0.55 → 0.85) is no collapse
+    assert scores(make(teacher_hard_ratio=line(0.55, 0.85)))["teacher_collapse"] < FIRES
 
 
 def test_missing_inputs_are_not_checked_with_their_reason() -> None:

@@ -206,4 +206,11 @@ def test_page_escapes_the_run_and_tags_and_has_no_external_resource() -> None:
     assert page.count('src="data:image/png;base64,') == 8  # 6 series, heatmap, buckets
     assert "Token ids are shown without text" in page
     with_text = render(data, token_text=lambda i: f"tok{i}")
-    assert "&#x27;tok409&#x27;" in with_text and "decoded with the given tokenizer" in with_text
+    assert "&#x27;tok409&#x27;" in with_text and "--tokenizer file" in with_text
+    # token text is untrusted: a hostile piece is shown, escaped, and injects nothing
+    hostile = render(data, token_text=lambda i: '</code></td><script>alert(1)</script><td x="')
+    assert "<script" not in hostile and "</code></td><script" not in hostile
+    assert "&lt;/code&gt;&lt;/td&gt;&lt;script&gt;alert(1)&lt;/script&gt;" in hostile
+    # an id the tokenizer does not know shows no text
+    unknown = render(data, token_text=lambda i: None)
+    assert "&#x27;" not in unknown.split('id="worst"')[1]

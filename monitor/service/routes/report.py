@@ -2,12 +2,13 @@
 
 Read-protected like the history queries. The route is a plain function, so FastAPI runs it in
 its threadpool: gathering and drawing (hundreds of milliseconds on a long run) never block the
-event loop that serves ``/metrics`` and ingest.
+event loop that serves ``/metrics`` and ingest. With ``--tokenizer`` the worst tokens carry
+their text (``app.state.token_text``, loaded once by ``create_app``).
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 
 from timwatch.monitor.core.errors import ApiError
@@ -32,6 +33,7 @@ router = APIRouter(tags=["history"], dependencies=[Depends(require_read)])
 def report_html(
     run: str,
     store: StoreDep,
+    request: Request,
     from_step: StepQuery = None,
     to_step: StepQuery = None,
 ) -> HTMLResponse:
@@ -39,7 +41,10 @@ def report_html(
     if check_run_id(run):
         raise ApiError(404, f"run {run[:200]!r} not found")
     try:
-        page = build_report(store, run, from_step=from_step, to_step=to_step)
+        page = build_report(
+            store, run, from_step=from_step, to_step=to_step,
+            token_text=getattr(request.app.state, "token_text", None),
+        )  # fmt: skip
     except LookupError:
         raise ApiError(404, f"run {run[:200]!r} not found") from None
     return HTMLResponse(page)
