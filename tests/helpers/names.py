@@ -59,7 +59,8 @@ LIFECYCLE_COUNTERS = ["timwatch_tap_dropped_batches_total"]
 LIFECYCLE_GAUGES = ["timwatch_run_finished"]
 # every exposed series name -> its metric family (summaries and histograms expand)
 FAMILY_OF = (
-    {c: c for c in COUNTERS + GAUGES + PARTIAL_STEP_GAUGES + VERL_COUNTERS + LIFECYCLE_COUNTERS + LIFECYCLE_GAUGES}
+    {c: c for c in COUNTERS + GAUGES + PARTIAL_STEP_GAUGES + VERL_COUNTERS}
+    | {c: c for c in LIFECYCLE_COUNTERS + LIFECYCLE_GAUGES}
     | {f"{s}{suffix}": s for s in SUMMARIES + VERL_SUMMARIES for suffix in ("_sum", "_count")}
     | {f"{h}{suffix}": h for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 )

@@ -97,9 +97,7 @@ def test_twins_on_two_replicas_store_and_count_once(replicas: list[ServerProc]) 
             bodies = [r.json() for r in pair]
             assert sorted(b["replayed"] for b in bodies) == [False, True]
             assert {**bodies[0], "replayed": None} == {**bodies[1], "replayed": None}
-        stored_on = {
-            k for pair in answers for k, r in enumerate(pair) if not r.json()["replayed"]
-        }
+        stored_on = {k for pair in answers for k, r in enumerate(pair) if not r.json()["replayed"]}
         batches = _sum(clients, "timwatch_batches_total{run=twins}")
         steps = [clients[0].get(f"/v1/runs/twins/steps/{i}").json() for i in range(ROUNDS)]
     finally:
@@ -122,7 +120,9 @@ def test_rivals_on_two_replicas_one_stored_one_409(replicas: list[ServerProc]) -
         outcomes = []
         for i in range(ROUNDS):
             raws = [raw_batch(200 + 2 * i + k, step=i, batch_id=f"rival-{i}") for k in (0, 1)]
-            pair = _at_once([lambda c=c, r=r: _post(c, "rivals", r) for c, r in zip(clients, raws)])
+            pair = _at_once(
+                [lambda c=c, r=r: _post(c, "rivals", r) for c, r in zip(clients, raws, strict=True)]
+            )
             outcomes.append(sorted(r.status_code for r in pair))
             winner = next(k for k, r in enumerate(pair) if r.status_code == 200)
             step = clients[0].get(f"/v1/runs/rivals/steps/{i}").json()
@@ -144,7 +144,7 @@ def _close(a: Any, b: Any, where: str = "") -> None:
             _close(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, list):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _close(x, y, f"{where}[{i}]")
     elif isinstance(a, float) and not (math.isnan(a) and isinstance(b, float) and math.isnan(b)):
         assert b == pytest.approx(a, rel=1e-12, abs=1e-300), where
@@ -157,7 +157,9 @@ def test_one_new_step_on_two_replicas_merges_both_batches(replicas: list[ServerP
     try:
         for i in range(ROUNDS):
             raws = [raw_batch(300 + 2 * i + k, step=i, batch_id=f"half-{i}-{k}") for k in (0, 1)]
-            pair = _at_once([lambda c=c, r=r: _post(c, "halves", r) for c, r in zip(clients, raws)])
+            pair = _at_once(
+                [lambda c=c, r=r: _post(c, "halves", r) for c, r in zip(clients, raws, strict=True)]
+            )
             assert [r.status_code for r in pair] == [200, 200], [r.text for r in pair]
             step = clients[1].get(f"/v1/runs/halves/steps/{i}").json()
             merged = accumulate(as_batch(raws[0])).merge(accumulate(as_batch(raws[1])))
