@@ -187,6 +187,18 @@ def test_a_finish_on_one_replica_reaches_the_other(replicas: list[ServerProc]) -
     assert finished == 1.0
 
 
+def test_replicas_starting_together_on_a_fresh_database_all_come_up() -> None:
+    """Migrations take an advisory lock: without it, concurrent first starts raced on CREATE
+    TABLE (duplicate key in pg_type) and all but one replica exited."""
+    with fresh_database("fresh") as url:
+        stores: list[Any] = _at_once([lambda: Store(url) for _ in range(4)])
+        try:
+            assert all(s.count_batches("none") == 0 for s in stores)
+        finally:
+            for s in stores:
+                s.close()
+
+
 def test_a_batch_after_the_finish_keeps_the_run_open_here() -> None:
     runs = RunRegistry()
     runs.observe("r", accumulate(as_batch(raw_batch(1))), {}, 1)
