@@ -181,9 +181,10 @@ def throughput(pg_url: str, args: argparse.Namespace, tmp: Path) -> dict[str, fl
     print(f"1. throughput through HAProxy, {args.producers} producers, {args.tokens}-token "
           f"batches, {args.load_s:.0f} s per configuration")  # fmt: skip
     print("   replicas  batches/s  tokens/s   ratio   CPU ms per batch: replicas  postgres  "
-          "haproxy  producers")  # fmt: skip
+          "haproxy  producers   (load average before)")  # fmt: skip
     base, last = 0.0, {}
     for n in (1, 2, 3):
+        load_avg = os.getloadavg()[0]
         with fresh_database("tw_capacity", pg_url) as db:
             pm, _ = postmaster(db)
             reps = Replicas(db, n, tmp)
@@ -207,9 +208,10 @@ def throughput(pg_url: str, args: argparse.Namespace, tmp: Path) -> dict[str, fl
         per = {k: v / max(ok, 1) * 1e3 for k, v in
                (("rep", r1 - r0), ("pg", p1 - p0), ("lb", h1 - h0), ("cli", c1 - c0))}  # fmt: skip
         others = {k: v for k, v in statuses.items() if k != 200}
+        note = f"   load {load_avg:4.1f}" + (f"; other answers: {others}" if others else "")
         print(f"   {n:8d}  {bps:9.1f}  {bps * args.tokens:8.0f}  {bps / base:6.2f}x  "
               f"{per['rep']:24.1f}  {per['pg']:8.1f}  {per['lb']:7.2f}  {per['cli']:9.1f}"
-              f"   {'other answers: ' + str(others) if others else ''}")  # fmt: skip
+              f"{note}")  # fmt: skip
         last = {"bps": bps, "rep_ms": per["rep"], "pg_ms": per["pg"],
                 "wal": (wal1 - wal0) / max(ok, 1),
                 "size": (size1 - size0) / max(ok, 1)}  # fmt: skip
@@ -223,14 +225,22 @@ def scrapes(pg_url: str, tmp: Path, runs: int) -> tuple[float, int]:
         reps = Replicas(db, 3, tmp)
         try:
             b = make_batch(7, 256)
-            with httpx.Client(base_url=reps.url, timeout=60) as c:
-                for r in range(runs):
-                    for k in range(3):  # round robin: each replica gets every run
-                        x = dataclasses.replace(b, step=k, batch_id=f"{r}-{k}")
-                        c.post(f"/v1/runs/s-{r:04d}/batches", content=x.to_safetensors(),
-                               headers=SAFETENSORS)  # fmt: skip
-                    if time.monotonic() > DEADLINE - 30:
-                        raise SystemExit("out of time while populating runs")
+
+            def populate(first: int) -> None:
+                with httpx.Client(base_url=reps.url, timeout=60) as c:
+                    for r in range(first, runs, 8):
+                        for k in range(3):  # round robin: each replica gets every run
+                            x = dataclasses.replace(b, step=k, batch_id=f"{r}-{k}")
+                            c.post(f"/v1/runs/s-{r:04d}/batches", content=x.to_safetensors(),
+                                   headers=SAFETENSORS)  # fmt: skip
+                        if time.monotonic() > DEADLINE - 30:
+                            return
+
+            threads = [threading.Thread(target=populate, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
             print(f"2. scrape cost per replica, {runs} live runs on 3 replicas")
             worst = 0.0
             size = 0
@@ -242,6 +252,8 @@ def scrapes(pg_url: str, tmp: Path, runs: int) -> tuple[float, int]:
                     times.append(time.perf_counter() - t0)
                 times.sort()
                 held = text.count("timwatch_batches_total{")
+                if held < runs:
+                    raise SystemExit(f"replica {k + 1} holds {held} runs of {runs}: out of time")
                 size = len(text)
                 worst = max(worst, times[10])
                 print(f"   replica {k + 1}: {held} runs, {len(text) / 1e6:5.2f} MB, "
