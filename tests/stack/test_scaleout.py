@@ -267,7 +267,9 @@ def test_producers_were_answered_and_replays_crossed_replicas(scaleout: Scaleout
     by_replica = Counter(a.replica for a in acks)
     assert set(by_replica) == set(s.replicas), by_replica  # the balancer used every replica
     assert any(a.replica == VICTIM and a.at > s.killed_at for a in acks)  # restarted and used
-    assert any(a.tries > 1 for a in acks), "no post was retried: the kill hit nothing"
+    # killed under load: it was answering in the seconds before (a post in flight at that moment
+    # gets a 502 from HAProxy and is retried; one not yet sent is redispatched by HAProxy)
+    assert any(a.replica == VICTIM and s.killed_at - 2.0 < a.at < s.killed_at for a in acks)
     replays = [r for p in s.producers for r in p.replays]
     assert len(replays) >= 20 and all(first != other for _, first, other, _ in replays)
     assert all(ok for *_, ok in replays), [r for r in replays if not r[3]][:5]
