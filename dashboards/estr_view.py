@@ -10,7 +10,6 @@ from __future__ import annotations
 from grafana_foundation_sdk.builders import dashboard as dashboard_b
 
 from timwatch.dashboards.common import (
-    RUN,
     IdAllocator,
     base_dashboard,
     heatmap_panel,
@@ -26,7 +25,6 @@ __all__ = ["UID", "build"]
 UID = "timwatch-estr"
 
 POLICIES = "estr|icepop|delta_abs"
-MASK_LAST = f'max by (run, policy) (timwatch_mask_ratio{{{RUN}, policy=~"{POLICIES}"}})'
 SCORE_BUCKETS = rate_sum("timwatch_token_estr_score_bucket", by="le")
 SCORE_MEAN = ratio_of_rates("timwatch_token_estr_score_sum", "timwatch_token_estr_score_count")
 
@@ -69,11 +67,21 @@ def build() -> dashboard_b.Dashboard:
         .with_panel(
             timeseries(
                 ids,
-                "Mask ratio: ESTR vs IcePop vs fixed |δ| (last batch)",
-                "Last-batch share of tokens each policy rejects. Healthy: all < 1% and close "
-                "to the window values; large batch-to-batch jumps mean a few bad sequences.",
-                "percentunit",
-                [(MASK_LAST, "{{run}} {{policy}}")],
+                "Rejected tokens per second: ESTR vs IcePop vs fixed |δ|",
+                "Tokens each policy rejects per second over the window, summed over replicas "
+                "(the numerator of the mask ratio). Healthy: small against the ingest rate and "
+                "flat; a jump means a batch of bad sequences arrived.",
+                "ops",
+                [
+                    (
+                        rate_sum(
+                            "timwatch_masked_tokens_total",
+                            by="run, policy",
+                            matchers=f'policy=~"{POLICIES}"',
+                        ),
+                        "{{run}} {{policy}}",
+                    )
+                ],
                 min_val=0,
             )
         )
@@ -96,13 +104,10 @@ def build() -> dashboard_b.Dashboard:
             timeseries(
                 ids,
                 "Entropy mean",
-                "Mean next-token entropy H (nats), window and last batch. Healthy: slowly "
+                "Mean next-token entropy H (nats) over the window. Healthy: slowly "
                 "varying; falling entropy tightens ESTR's per-token trust region.",
                 "none",
-                [
-                    (ENTROPY_WINDOW, "{{run}} window"),
-                    (f"max by (run) (timwatch_entropy_mean{{{RUN}}})", "{{run}} last"),
-                ],
+                [(ENTROPY_WINDOW, "{{run}}")],
                 width=12,
                 min_val=0,
             )
@@ -114,10 +119,7 @@ def build() -> dashboard_b.Dashboard:
                 "σ̂² = Σδ²/Σ(H+ε), the engine noise ESTR's τ is calibrated against. Healthy: "
                 "flat and well below τ; a rise at flat entropy means engine numerics changed.",
                 "sci",
-                [
-                    (NOISE_WINDOW, "{{run}} window"),
-                    (f"max by (run) (timwatch_noise_scale{{{RUN}}})", "{{run}} last"),
-                ],
+                [(NOISE_WINDOW, "{{run}}")],
                 width=12,
                 log_scale=True,
             )

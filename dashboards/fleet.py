@@ -23,7 +23,12 @@ from timwatch.dashboards.common import (
     stat,
     timeseries,
 )
-from timwatch.dashboards.run_overview import KL_WINDOW
+from timwatch.dashboards.run_overview import (
+    IS_STD_WINDOW,
+    KL_WINDOW,
+    LAG_MAX_WINDOW,
+    TOKEN_ID_DRIFT_WINDOW,
+)
 
 __all__ = ["UID", "build"]
 
@@ -36,11 +41,10 @@ TOKENS_RATE = rate_sum("timwatch_tokens_total")
 # (column name, expr, unit) — the order is the table's column order.
 COLUMNS: list[tuple[str, str, str]] = [
     ("Mismatch KL", KL_WINDOW, "sci"),
-    ("KL last batch", f"max by (run) (timwatch_mismatch_kl{{{RUN}}})", "sci"),
     ("Mask ratio", MASK_WINDOW, "percentunit"),
-    ("IS-ratio std", f"max by (run) (timwatch_is_ratio_std{{{RUN}}})", "none"),
-    ("Version lag max", f"max by (run) (timwatch_version_lag_max{{{RUN}}})", "short"),
-    ("Token-id drift", f"max by (run) (timwatch_token_id_mismatch_ratio{{{RUN}}})", "percentunit"),
+    ("IS-ratio std", IS_STD_WINDOW, "none"),
+    ("Version lag max", LAG_MAX_WINDOW, "short"),
+    ("Token-id drift", TOKEN_ID_DRIFT_WINDOW, "percentunit"),
     ("Tokens/s", TOKENS_RATE, "ops"),
     ("Step", f"max by (run) (timwatch_step{{{RUN}}})", "none"),
     (

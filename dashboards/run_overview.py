@@ -1,8 +1,10 @@
 """*timwatch — Run overview*: every exported signal for the selected runs.
 
-Where a quantity exists both as an additive series and as a last-batch gauge, the panel shows
-both: the additive form (``rate`` of sums over counts) is exact across sidecars and smooths over
-the window; the gauge is what the last batch of one sidecar said.
+Every panel reads additive series (``rate`` of sums over counts, counters, histogram buckets),
+summed over replicas before dividing, so it is exact when the batches of one step land on
+different replicas; the per-replica latest-step gauges are never read (a step spread over
+replicas makes them partial). The only gauges read are ``timwatch_step`` and
+``timwatch_last_batch_timestamp_seconds``, under ``max by (run)``, which is exact.
 """
 
 from __future__ import annotations
@@ -43,6 +45,19 @@ NOISE_WINDOW = (
 # before it knows which run they belong to, so this is the one query without the run filter.
 REJECTED_RATE = "sum by (reason) (rate(timwatch_rejected_batches_total[$__rate_interval]))"
 ENTROPY_WINDOW = ratio_of_rates("timwatch_token_entropy_sum", "timwatch_token_entropy_count")
+# Largest |δ| and version lag of the window: the upper bound of the highest non-empty bucket.
+ABS_DELTA_MAX_WINDOW = (
+    f"histogram_quantile(1, {rate_sum('timwatch_token_abs_log_ratio_bucket', by='le, run')})"
+)
+LAG_MAX_WINDOW = (
+    f"histogram_quantile(1, {rate_sum('timwatch_token_version_lag_bucket', by='le, run')})"
+)
+LAG_MEAN_WINDOW = ratio_of_rates(
+    "timwatch_token_version_lag_sum", "timwatch_token_version_lag_count"
+)
+TOKEN_ID_DRIFT_WINDOW = ratio_of_rates(
+    "timwatch_token_id_mismatched_tokens_total", "timwatch_token_id_checked_tokens_total"
+)
 
 
 def _abs_delta_quantile(q: float) -> str:
@@ -68,10 +83,10 @@ def build() -> dashboard_b.Dashboard:
             timeseries(
                 ids,
                 "Mismatch KL (k3)",
-                "Mean k3 KL(μ‖π) per token, window (sums/counts) and last batch. Healthy: flat and "
+                "Mean k3 KL(μ‖π) per token over the window (sums/counts). Healthy: flat and "
                 "< 1e-3 for bf16 rollouts (~1e-5 fp16); a steady rise or > 1e-2 precedes collapse.",
                 "sci",
-                [(KL_WINDOW, "{{run}} window"), (_gauge("timwatch_mismatch_kl"), "{{run}} last")],
+                [(KL_WINDOW, "{{run}}")],
                 log_scale=True,
             )
         )
@@ -93,11 +108,12 @@ def build() -> dashboard_b.Dashboard:
         .with_panel(
             timeseries(
                 ids,
-                "Max |δ| (last batch)",
-                "Largest |log π − log μ| of the last batch. Healthy: < 1; spikes > 5 are tokens "
-                "the trainer finds near-impossible (sampling or tokenization bug).",
+                "Max |δ| (window)",
+                "Largest |log π − log μ| of the window, to the histogram bucket (its upper "
+                "bound). Healthy: < 1; spikes > 5 are tokens the trainer finds near-impossible "
+                "(sampling or tokenization bug).",
                 "none",
-                [(_gauge("timwatch_log_ratio_abs_max"), "{{run}}")],
+                [(ABS_DELTA_MAX_WINDOW, "{{run}}")],
                 width=8,
                 min_val=0,
             )
@@ -131,13 +147,10 @@ def build() -> dashboard_b.Dashboard:
             timeseries(
                 ids,
                 "IS-ratio std",
-                "Population std of r = π/μ, window (from Σr, Σr²) and last batch. Healthy: "
+                "Population std of r = π/μ over the window (from Σr, Σr²). Healthy: "
                 "< 0.1 for bf16; > 0.5 means heavy-tailed weights that inflate gradient variance.",
                 "none",
-                [
-                    (IS_STD_WINDOW, "{{run}} window"),
-                    (_gauge("timwatch_is_ratio_std"), "{{run}} last"),
-                ],
+                [(IS_STD_WINDOW, "{{run}}")],
                 min_val=0,
             )
         )
@@ -162,17 +175,7 @@ def build() -> dashboard_b.Dashboard:
                 "is discarding signal.",
                 "percentunit",
                 [(mask_ratio_window(), "{{run}} {{policy}}")],
-                min_val=0,
-            )
-        )
-        .with_panel(
-            timeseries(
-                ids,
-                "Mask ratio per policy (last batch)",
-                "Share of the last batch's tokens each policy rejects. Healthy: estr and icepop "
-                "< 1%; geo_rs is strict by design and runs higher.",
-                "percentunit",
-                [(f"max by (run, policy) (timwatch_mask_ratio{{{RUN}}})", "{{run}} {{policy}}")],
+                width=24,
                 min_val=0,
             )
         )
@@ -181,13 +184,10 @@ def build() -> dashboard_b.Dashboard:
             timeseries(
                 ids,
                 "Entropy mean",
-                "Mean next-token entropy H (nats), window and last batch. Healthy: slowly "
+                "Mean next-token entropy H (nats) over the window. Healthy: slowly "
                 "varying; a steady fall toward 0 is entropy collapse.",
                 "none",
-                [
-                    (ENTROPY_WINDOW, "{{run}} window"),
-                    (_gauge("timwatch_entropy_mean"), "{{run}} last"),
-                ],
+                [(ENTROPY_WINDOW, "{{run}}")],
                 min_val=0,
             )
         )
@@ -198,10 +198,7 @@ def build() -> dashboard_b.Dashboard:
                 "σ̂² = Σδ²/Σ(H+ε), ε = 0.01: engine noise with entropy drift divided out. "
                 "Healthy: flat; a rise at flat entropy means engine numerics got noisier.",
                 "sci",
-                [
-                    (NOISE_WINDOW, "{{run}} window"),
-                    (_gauge("timwatch_noise_scale"), "{{run}} last"),
-                ],
+                [(NOISE_WINDOW, "{{run}}")],
                 log_scale=True,
             )
         )
@@ -210,10 +207,11 @@ def build() -> dashboard_b.Dashboard:
             timeseries(
                 ids,
                 "Version lag max",
-                "Largest policy_version − token version in the last batch. Healthy: 0 for "
-                "synchronous RL, at most the configured staleness bound for async RL.",
+                "Largest policy_version − token version of the window (to the histogram bucket; "
+                "exact up to 4) and the mean lag. Healthy: 0 for synchronous RL, at most the "
+                "configured staleness bound for async RL.",
                 "short",
-                [(_gauge("timwatch_version_lag_max"), "{{run}}")],
+                [(LAG_MAX_WINDOW, "{{run}} max"), (LAG_MEAN_WINDOW, "{{run}} mean")],
                 min_val=0,
             )
         )
@@ -221,10 +219,11 @@ def build() -> dashboard_b.Dashboard:
             timeseries(
                 ids,
                 "Token-id drift",
-                "Share of tokens whose trainer token id differs from the sampled one. Healthy: "
-                "exactly 0; any non-zero value is a token-in-token-out (retokenization) bug.",
+                "Share of the window's compared tokens whose trainer token id differs from the "
+                "sampled one. Healthy: exactly 0; any non-zero value is a token-in-token-out "
+                "(retokenization) bug.",
                 "percentunit",
-                [(_gauge("timwatch_token_id_mismatch_ratio"), "{{run}}")],
+                [(TOKEN_ID_DRIFT_WINDOW, "{{run}}")],
                 min_val=0,
             )
         )

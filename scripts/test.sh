@@ -14,6 +14,9 @@ command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2
   || need+=(docker-compose)  # only its offline `config` check of deploy/docker-compose.yml
 # headless, for tests/stack/test_report_browser.py (the incident report in a real browser)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+# the scale-out stack test (tests/stack/test_scaleout.py): load balancer and remote-write receiver
+command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || need+=(haproxy)
+command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages: ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"

@@ -20,6 +20,7 @@ from timwatch.monitor.core.histograms import (
     ESTR_SCORE_BUCKETS,
     HEATMAP_ABS_DELTA_EDGES,
     HEATMAP_ENTROPY_EDGES,
+    VERSION_LAG_BUCKETS,
 )
 from timwatch.monitor.core.layout import C, F, M
 from timwatch.monitor.core.masks import POLICIES, SEQUENCE_POLICIES, PolicyParams
@@ -185,6 +186,15 @@ class Accumulator:
 
     def estr_score_buckets(self) -> list[tuple[float, int]]:
         return _cumulative(ESTR_SCORE_BUCKETS, self.prom_s)
+
+    def version_lag_buckets(self) -> list[tuple[float, int]]:
+        """Cumulative token counts per `VERSION_LAG_BUCKETS` upper bound (+Inf last), from
+        ``lag_buckets``; the last count is ``lag_tokens``."""
+        edges = (*VERSION_LAG_BUCKETS, math.inf)
+        return [
+            (float(e), int(sum(v[0] for lag, v in self.lag_buckets.items() if lag <= e)))
+            for e in edges
+        ]
 
     # ---- combination ----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import numpy.typing as npt
 __all__ = [
     "ABS_LOG_RATIO_BUCKETS",
     "ESTR_SCORE_BUCKETS",
+    "VERSION_LAG_BUCKETS",
     "HEATMAP_ABS_DELTA_EDGES",
     "HEATMAP_ENTROPY_EDGES",
     "FineLayout",
@@ -37,6 +38,9 @@ ABS_LOG_RATIO_BUCKETS: tuple[float, ...] = (
 ESTR_SCORE_BUCKETS: tuple[float, ...] = (
     1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 0.5, 0.7, 1.0, 1.6, 2.0, 3.0, 5.0, 10.0, 30.0, 100.0,
 )  # fmt: skip
+# Policy-version lag (integer versions): every lag up to 4 has its own bucket, so the largest
+# lag of a window is exact at the staleness alert's threshold (4) whichever replica saw it.
+VERSION_LAG_BUCKETS: tuple[float, ...] = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 # The heatmap grid of docs/reference/metrics.md: left-closed bins, the last one open-ended.
 HEATMAP_ENTROPY_EDGES: tuple[float, ...] = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 HEATMAP_ABS_DELTA_EDGES: tuple[float, ...] = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 1.0)

@@ -4,8 +4,11 @@ scrape.
 A custom collector instead of module-level Gauge/Counter objects: the families are rebuilt from
 ``RunRegistry`` each scrape, so evicting a run removes all of its series at once, replays can
 never double-count, and tests can run many apps in one process (each has its own registry).
-Everything exported is additive (``_sum``/``_count``, counters, cumulative buckets), so
-``sum by (run)`` across sidecars and ``rate()`` over any window stay exact.
+Everything but the gauges is additive (``_sum``/``_count``, counters, cumulative buckets), so
+``sum by (run)`` across replicas and ``rate()`` over any window stay exact. The gauges in
+`PARTIAL_STEP_GAUGES` describe this process's share of its latest step only (partial when a
+step's batches land on several replicas): no shipped alert or dashboard panel reads them
+(tests/unit/test_fleet_exact.py); the `FLEET_EXACT_GAUGES` are exact under ``max by (run)``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ from prometheus_client.utils import floatToGoString
 
 from timwatch.monitor.service.runs import REJECT_REASONS, RunRegistry, RunState
 
-__all__ = ["CONTENT_TYPE", "TimwatchCollector", "make_registry", "render"]
+__all__ = [
+    "CONTENT_TYPE",
+    "FLEET_EXACT_GAUGES",
+    "PARTIAL_STEP_GAUGES",
+    "TimwatchCollector",
+    "make_registry",
+    "render",
+]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -103,8 +113,21 @@ _COUNTERS = (
         "Masked tokens whose IS ratio is below 1/C (C = the TIS bound).",
         "is_ratio_low_tokens",
     ),
+    (
+        "timwatch_token_id_checked_tokens",
+        "Masked tokens whose rollout and trainer token ids were both sent and compared.",
+        "tid_tokens",
+    ),
+    (
+        "timwatch_token_id_mismatched_tokens",
+        "Compared masked tokens whose rollout and trainer token ids differ.",
+        "tid_mismatch",
+    ),
 )
-# gauge name, help, row key (None → special)
+# The step row stored when this process took its last batch of the step: batches of that step
+# that other replicas store later are missing from it.
+_PARTIAL = " As of this replica's last batch of the step (later batches elsewhere missing)."
+# gauge name, help, row key: this process's latest step row
 _GAUGES = (
     ("timwatch_mismatch_kl", "Mean k3 KL of the latest step.", "mismatch_kl"),
     ("timwatch_is_ratio_std", "Population std of the IS ratio in the latest step.", "is_ratio_std"),
@@ -121,6 +144,13 @@ _GAUGES = (
         "Share of masked tokens whose rollout and trainer token ids differ, latest step.",
         "token_id_mismatch_ratio",
     ),
+)
+
+#: the latest-step gauges: per replica, partial when a step's batches land on several replicas
+PARTIAL_STEP_GAUGES = frozenset(name for name, _, _ in _GAUGES) | {"timwatch_mask_ratio"}
+#: gauges whose ``max by (run)`` over replicas is the fleet-wide value
+FLEET_EXACT_GAUGES = frozenset(
+    {"timwatch_step", "timwatch_last_batch_timestamp_seconds", "timwatch_run_finished"}
 )
 
 
@@ -227,8 +257,17 @@ class TimwatchCollector(Collector):
             score.add_metric(
                 [s.run], _buckets(s.acc.estr_score_buckets()), float(s.acc.sum_estr_score)
             )
+        lag = HistogramMetricFamily(
+            "timwatch_token_version_lag",
+            "Per-token policy-version lag (batches with versions only).",
+            labels=["run"],
+        )
+        for s in states:
+            if s.acc.lag_tokens:
+                lag.add_metric([s.run], _buckets(s.acc.version_lag_buckets()), float(s.acc.lag_sum))
         yield abs_lr
         yield score
+        yield lag
 
     def _gauges(self, states: list[RunState]) -> Iterator[Metric]:
         step = GaugeMetricFamily(
@@ -251,14 +290,15 @@ class TimwatchCollector(Collector):
         yield step
         yield finished
         for name, doc, key in _GAUGES:
-            fam = GaugeMetricFamily(name, doc, labels=["run"])
+            fam = GaugeMetricFamily(name, doc + _PARTIAL, labels=["run"])
             for s in states:
                 v = _num(s.row.get(key))
                 if v is not None:
                     fam.add_metric([s.run], v)
             yield fam
         mask = GaugeMetricFamily(
-            "timwatch_mask_ratio", "Share of masked tokens each policy rejects, latest step.",
+            "timwatch_mask_ratio",
+            "Share of masked tokens each policy rejects, latest step." + _PARTIAL,
             labels=["run", "policy"],
         )  # fmt: skip
         for s in states:

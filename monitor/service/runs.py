@@ -105,6 +105,24 @@ class RunRegistry:
                 cur.version = self._clock  # timwatch_run_finished changed: re-render the run
             return True
 
+    def unfinished(self) -> list[str]:
+        """Live runs not marked finished here."""
+        with self._lock:
+            return [r for r, s in self._runs.items() if s.finished_m is None]
+
+    def finished_elsewhere(self, run: str, finished_at: float) -> bool:
+        """Mark `run` finished as of the wall time `finished_at`, when another replica took the
+        finish (read back from the store): its grace runs from that time. A run that took a
+        batch here after `finished_at` stays open (that batch re-opened it in the store too)."""
+        with self._lock:
+            cur = self._runs.get(run)
+            if cur is None or cur.finished_m is not None or cur.last_batch_ts > finished_at:
+                return False
+            cur.finished_m = time.monotonic() - max(0.0, time.time() - finished_at)
+            self._clock += 1
+            cur.version = self._clock
+            return True
+
     def add_tap_dropped(self, run: str, n: int) -> bool:
         """Add `n` batches a tap reported dropping outside a batch post (its finish); False if
         `run` is not live (the count then has no series to go to)."""

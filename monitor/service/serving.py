@@ -2,7 +2,8 @@
 
 `Serving` holds the incremental ``/metrics`` renderer and the one thread it renders on (never the
 shared AnyIO threadpool, where ingests may be blocked on the store), the in-flight body budget,
-the ingest slots and the background store pinger behind ``/healthz``. `create_app` builds one;
+the ingest slots, the background store pinger behind ``/healthz`` and the thread that copies
+other replicas' finishes from the store (`FinishSync`). `create_app` builds one;
 its lifespan starts and stops it.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from timwatch.monitor.service.admission import InflightBudget, IngestSlots
 from timwatch.monitor.service.exposition import Exposition
+from timwatch.monitor.service.finish_sync import FinishSync
 from timwatch.monitor.service.health import Pinger
 from timwatch.monitor.service.runs import RunRegistry
 from timwatch.monitor.service.settings import Settings
@@ -28,6 +30,7 @@ class Serving:
     budget: InflightBudget
     slots: IngestSlots
     pinger: Pinger
+    finish_sync: FinishSync
     _scrapes: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="timwatch-scrape")
     )
@@ -35,7 +38,11 @@ class Serving:
     @classmethod
     def build(cls, settings: Settings, store: Store, runs: RunRegistry) -> Serving:
         return cls(
-            Exposition(runs), InflightBudget(settings.inflight_budget), IngestSlots(), Pinger(store)
+            Exposition(runs),
+            InflightBudget(settings.inflight_budget),
+            IngestSlots(),
+            Pinger(store),
+            FinishSync(store, runs),
         )
 
     async def metrics_text(self) -> bytes:
@@ -45,7 +52,9 @@ class Serving:
 
     def start(self) -> None:
         self.pinger.start()
+        self.finish_sync.start()
 
     def stop(self) -> None:
         self.pinger.stop()
+        self.finish_sync.stop()
         self._scrapes.shutdown(wait=False, cancel_futures=True)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import URL, Engine, create_engine, event
+from sqlalchemy import URL, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
@@ -29,6 +29,9 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 0.5
 #: seconds a PostgreSQL statement waits for a row or table lock before the API answers 503
 PG_LOCK_TIMEOUT_S = 1.0
+#: the advisory lock key that serialises migrations of one PostgreSQL database ("timwatch")
+MIGRATION_LOCK_KEY = 0x74696D7761746368
+MIGRATION_LOCK_TIMEOUT_S = 120
 #: seconds a PostgreSQL caller waits for a pooled connection before the API answers 503
 PG_POOL_TIMEOUT_S = 2.0
 
@@ -181,5 +184,11 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Replicas starting together on a fresh database would race to create the same
+            # tables; one transaction-scoped advisory lock lets one migrate while the others wait
+            # (past the 1 s lock_timeout) and then find the schema at head.
+            conn.execute(text(f"SET LOCAL lock_timeout = '{MIGRATION_LOCK_TIMEOUT_S}s'"))
+            conn.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})"))
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)

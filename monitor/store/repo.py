@@ -211,6 +211,18 @@ class Store:
 
         return self._guard(go)
 
+    def finished_runs(self, runs: Sequence[str]) -> dict[str, float]:
+        """``{run: finished_at}`` for those of `runs` the store holds as finished."""
+
+        def go() -> dict[str, float]:
+            stmt = select(_runs.c.id, _runs.c.finished_at).where(
+                _runs.c.id.in_(list(runs)), _runs.c.finished_at.is_not(None)
+            )
+            with self.engine.connect() as conn:
+                return {r.id: float(r.finished_at) for r in conn.execute(stmt)}
+
+        return cast(dict[str, float], self._guard(go)) if runs else {}
+
     def run_exists(self, run: str) -> bool:
         def go() -> bool:
             with self.engine.connect() as conn:

@@ -9,6 +9,8 @@ COUNTERS = [
     "timwatch_batches_total",
     "timwatch_masked_tokens_total",
     "timwatch_rejected_batches_total",
+    "timwatch_token_id_checked_tokens_total",
+    "timwatch_token_id_mismatched_tokens_total",
 ]
 SUMMARIES = [
     "timwatch_token_kl",
@@ -17,9 +19,16 @@ SUMMARIES = [
     "timwatch_token_is_ratio",
     "timwatch_token_is_ratio_squared",
 ]
-HISTOGRAMS = ["timwatch_token_abs_log_ratio", "timwatch_token_estr_score"]
-GAUGES = [
-    "timwatch_step",
+HISTOGRAMS = [
+    "timwatch_token_abs_log_ratio",
+    "timwatch_token_estr_score",
+    "timwatch_token_version_lag",
+]
+# gauges exact fleet-wide under max by (run): the only gauges dashboards and alerts read
+GAUGES = ["timwatch_step", "timwatch_last_batch_timestamp_seconds"]
+# latest-step gauges: per replica, partial when a step's batches land on several replicas;
+# exported for a look at one process, read by no dashboard panel and no alert
+PARTIAL_STEP_GAUGES = [
     "timwatch_mismatch_kl",
     "timwatch_is_ratio_std",
     "timwatch_log_ratio_abs_max",
@@ -28,7 +37,6 @@ GAUGES = [
     "timwatch_noise_scale",
     "timwatch_version_lag_max",
     "timwatch_token_id_mismatch_ratio",
-    "timwatch_last_batch_timestamp_seconds",
 ]
 # verl-parity families (issue 11): exported and additive, not (yet) on the dashboards
 VERL_COUNTERS = [
@@ -51,7 +59,8 @@ LIFECYCLE_COUNTERS = ["timwatch_tap_dropped_batches_total"]
 LIFECYCLE_GAUGES = ["timwatch_run_finished"]
 # every exposed series name -> its metric family (summaries and histograms expand)
 FAMILY_OF = (
-    {c: c for c in COUNTERS + GAUGES + VERL_COUNTERS + LIFECYCLE_COUNTERS + LIFECYCLE_GAUGES}
+    {c: c for c in COUNTERS + GAUGES + PARTIAL_STEP_GAUGES + VERL_COUNTERS}
+    | {c: c for c in LIFECYCLE_COUNTERS + LIFECYCLE_GAUGES}
     | {f"{s}{suffix}": s for s in SUMMARIES + VERL_SUMMARIES for suffix in ("_sum", "_count")}
     | {f"{h}{suffix}": h for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 )

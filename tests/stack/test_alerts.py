@@ -119,7 +119,7 @@ def test_alert_has_for_severity_and_annotations(name: str) -> None:
 def test_token_id_drift_pages_at_any_non_zero_value() -> None:
     rule = _alerts()["TimwatchTokenIdDrift"]
     assert rule["labels"]["severity"] == "page"
-    assert re.search(r"timwatch_token_id_mismatch_ratio\[\w+\]\)\)\s*>\s*0\s", rule["expr"])
+    assert re.fullmatch(r"timwatch:token_id_mismatch_ratio:rate\w+ > 0\s*", rule["expr"])
 
 
 def test_runbook_has_a_section_per_alert() -> None:

@@ -54,7 +54,7 @@ def test_promtool_check_config(name: str) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     # the rule file is found through the relative path and checked too
-    assert "19 rules found" in out and "FAILED" not in out and "WARNING" not in out.upper(), out
+    assert "21 rules found" in out and "FAILED" not in out and "WARNING" not in out.upper(), out
 
 
 def test_prometheus_targets_are_compose_services() -> None:

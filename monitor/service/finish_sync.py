@@ -1,0 +1,59 @@
+"""Finishes taken by other replicas reach this one's exposition.
+
+``POST /v1/runs/{run}/finish`` lands on one replica behind a load balancer; the others would
+keep exporting the run unfinished for the whole run TTL (a day), and the per-run stall alert
+would fire once the finishing replica's grace ended. `FinishSync` reads the store's
+``finished_at`` of the runs this replica holds unfinished every `interval` seconds, on a daemon
+thread (never on the scrape path: ``/metrics`` does not touch the store), and marks them finished
+as of that time (`RunRegistry.finished_elsewhere`). One indexed query per interval, whatever the
+number of runs; a store that is down only delays it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from timwatch.monitor.core.errors import TimwatchError
+from timwatch.monitor.service.runs import RunRegistry
+from timwatch.monitor.store import Store
+
+__all__ = ["FINISH_SYNC_INTERVAL_S", "FinishSync"]
+
+FINISH_SYNC_INTERVAL_S = 5.0
+
+log = logging.getLogger("timwatch.api")
+
+
+class FinishSync:
+    """Copies store finishes into `runs` every `interval` seconds until `stop`."""
+
+    def __init__(
+        self, store: Store, runs: RunRegistry, interval: float = FINISH_SYNC_INTERVAL_S
+    ) -> None:
+        self.store, self.runs, self.interval = store, runs, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="timwatch-finish", daemon=True)
+
+    def start(self) -> FinishSync:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def sync_once(self) -> list[str]:
+        """One pass: the runs newly marked finished."""
+        found = self.store.finished_runs(self.runs.unfinished())
+        return [r for r, at in sorted(found.items()) if self.runs.finished_elsewhere(r, at)]
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sync_once()
+            except TimwatchError:
+                pass  # the store is down: the pinger and /healthz report it
+            except Exception:  # a bug or an unexpected driver error: report, keep going
+                log.exception("finish sync failed")
