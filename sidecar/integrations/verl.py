@@ -1,26 +1,19 @@
-"""verl plug-in: the `estr` policy loss and a tracking backend that ships tokens to a timwatch tap.
+"""verl plug-in: the `estr` policy loss and the per-token collector that ships μ, π_old and H.
 
 verl's policy-loss signature (`verl/trainer/ppo/core_algos.py`, `PolicyLossFn`) is
 `(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)`
-and returns `(loss, metrics)`. It does not carry the two things the ESTR mask needs:
+and returns `(loss, metrics)`. It does not carry the two things the ESTR mask needs: μ (verl's
+`rollout_log_probs`, in the batch when `actor_rollout_ref.rollout.calculate_log_probs=True`) and
+H (the `entropy` the engine computes from the trainer's logits when asked to). So the loss reads
+both from a per-thread context (`EstrInputs`) that belongs to one micro-batch: the hooks
+(`timwatch.sidecar.integrations.verl_hooks`) set it right before verl's loss function runs on a
+micro-batch, keyed by that micro-batch's `old_log_probs`, and the loss consumes it. A missing
+context, or one whose key differs from the loss's `old_log_prob` (another micro-batch, even of
+the same shape), raises `PluginContextError`.
 
-* μ — verl keeps the engine's log-probs as `rollout_log_probs` in the batch (present when
-  `actor_rollout_ref.rollout.calculate_log_probs=True`); the FSDP actor selects it into each
-  micro-batch (`DataParallelPPOActor.update_policy`) but does not pass it to the loss;
-* H — the actor computes `entropys` from its own logits in `_forward_micro_batch` when
-  `actor_rollout_ref.actor.calculate_entropy=True` (or `entropy_coeff != 0`), also not passed on.
-
-So the loss reads both from a per-thread context (`estr_inputs`), which `install_actor_hooks`
-fills by wrapping `DataParallelPPOActor._forward_micro_batch`: right after the forward of a
-micro-batch, that micro-batch's `rollout_log_probs` and `entropys` become the context, and the
-loss called next on the same micro-batch reads them (shapes are checked). Importing this module
-inside verl's processes — `VERL_USE_EXTERNAL_MODULES=timwatch.sidecar.integrations.verl`, which
-verl's own `__init__` honours — registers the loss and installs the hooks. Other actors
-(Megatron, the new engine workers) can set the context themselves with `estr_inputs(...)`.
-
-Per-token reporting: when `TIMWATCH_URL` is set in a worker, the hooked `update_policy` captures
-each micro-batch's μ, π_old, H and response mask and reports them as one packed batch per
-training step through `timwatch.sidecar.tap.Tap` (see `TimwatchTracking`).
+Importing this module inside verl's processes (`VERL_USE_EXTERNAL_MODULES=
+timwatch.sidecar.integrations.verl`, which verl's own `__init__` honours) registers the loss and
+installs the hooks.
 """
 
 from __future__ import annotations
@@ -36,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
+from timwatch.monitor.core.errors import ConfigError, PluginContextError
 from timwatch.monitor.core.masks import estr_keep_mask
 from timwatch.monitor.trainer.losses import k3, ppo_clip_token_loss
 
@@ -46,9 +40,9 @@ __all__ = [
     "TimwatchTracking",
     "compute_policy_loss_estr",
     "estr_inputs",
-    "install_actor_hooks",
     "pack_padded",
     "register_with_verl",
+    "set_estr_inputs",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,10 +59,16 @@ class SupportsReport(Protocol):
 
 @dataclass(frozen=True)
 class EstrInputs:
-    """What the ESTR mask needs beyond verl's loss arguments, shaped `[batch, response_len]`."""
+    """What the ESTR mask needs beyond verl's loss arguments, shaped `[batch, response_len]`.
+
+    `key`: the micro-batch's `old_log_probs`; when set, the loss refuses a call whose
+    `old_log_prob` differs (another micro-batch). `once`: the first loss call consumes it.
+    """
 
     rollout_log_probs: torch.Tensor
     entropy: torch.Tensor | None
+    key: torch.Tensor | None = None
+    once: bool = False
 
 
 _INPUTS: contextvars.ContextVar[EstrInputs | None] = contextvars.ContextVar(
@@ -79,12 +79,30 @@ _CAPTURE: contextvars.ContextVar[TimwatchTracking | None] = contextvars.ContextV
 )
 
 
+def set_estr_inputs(
+    rollout_log_probs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    old_log_probs: torch.Tensor | None,
+) -> None:
+    """The context for the next loss call only, keyed by the micro-batch's `old_log_probs`.
+
+    `rollout_log_probs=None` clears it (the loss then says what is missing)."""
+    _INPUTS.set(
+        None
+        if rollout_log_probs is None
+        else EstrInputs(rollout_log_probs.detach(), _detach(entropy), _detach(old_log_probs), True)
+    )
+
+
 @contextmanager
 def estr_inputs(
-    rollout_log_probs: torch.Tensor, entropy: torch.Tensor | None
+    rollout_log_probs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    old_log_probs: torch.Tensor | None = None,
 ) -> Iterator[EstrInputs]:
-    """Make μ and H available to `compute_policy_loss_estr` for the enclosed loss calls."""
-    inputs = EstrInputs(rollout_log_probs.detach(), _detach(entropy))
+    """Make μ and H available to `compute_policy_loss_estr` for the enclosed loss calls
+    (keyed by `old_log_probs` when given)."""
+    inputs = EstrInputs(rollout_log_probs.detach(), _detach(entropy), _detach(old_log_probs))
     token = _INPUTS.set(inputs)
     try:
         yield inputs
@@ -112,7 +130,7 @@ def _settings(config: Any) -> tuple[float, float, str]:
         _cfg(policy_loss, "estr_mask_logp", os.environ.get("TIMWATCH_ESTR_MASK_LOGP", "old"))
     )
     if source not in ("old", "current"):
-        raise ValueError(f"estr_mask_logp must be 'old' or 'current', got {source!r}")
+        raise ConfigError(f"estr_mask_logp must be 'old' or 'current', got {source!r}")
     return tau, eps, source
 
 
@@ -146,6 +164,39 @@ def _agg_loss(
     return (seq_loss * seqs).sum() / n_seq * dp
 
 
+def _check_inputs(
+    inputs: EstrInputs | None, old_log_prob: torch.Tensor, log_prob: torch.Tensor
+) -> EstrInputs:
+    """The context of this micro-batch, consumed if single-use; raises if absent or foreign."""
+    if inputs is not None and inputs.once:
+        _INPUTS.set(None)
+    if inputs is None or inputs.entropy is None:
+        missing = "rollout_log_probs" if inputs is None else "entropy"
+        raise PluginContextError(
+            f"estr policy loss: no {missing} for this micro-batch. Set "
+            "actor_rollout_ref.rollout.calculate_log_probs=True (and, without timwatch's hooks, "
+            "actor_rollout_ref.actor.calculate_entropy=True), and load the hooks with "
+            "VERL_USE_EXTERNAL_MODULES=timwatch.sidecar.integrations.verl (or wrap the loss call "
+            "in timwatch.sidecar.integrations.verl.estr_inputs(...))"
+        )
+    for name, t in (("rollout_log_probs", inputs.rollout_log_probs), ("entropy", inputs.entropy)):
+        if tuple(t.shape) != tuple(log_prob.shape):
+            raise PluginContextError(
+                f"estr policy loss: {name} has shape {tuple(t.shape)} but log_prob has "
+                f"{tuple(log_prob.shape)}; the context belongs to another micro-batch"
+            )
+    key = inputs.key
+    if key is not None and not (
+        key.shape == old_log_prob.shape and torch.equal(key, old_log_prob.detach().to(key.dtype))
+    ):
+        raise PluginContextError(
+            "estr policy loss: the rollout_log_probs/entropy context was set for another "
+            "micro-batch (its old_log_probs differ from this call's); refusing to mask the wrong "
+            "tokens"
+        )
+    return inputs
+
+
 def compute_policy_loss_estr(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -162,23 +213,7 @@ def compute_policy_loss_estr(
     aggregation's denominator. No dual-clip. `rollout_is_weights`, when verl passes them,
     multiply the per-token loss as in verl's `vanilla`. μ and H come from `estr_inputs`.
     """
-    inputs = _INPUTS.get()
-    if inputs is None or inputs.entropy is None:
-        missing = "rollout_log_probs" if inputs is None else "entropy"
-        raise RuntimeError(
-            f"estr policy loss: no {missing} for this micro-batch. Set "
-            "actor_rollout_ref.rollout.calculate_log_probs=True and "
-            "actor_rollout_ref.actor.calculate_entropy=True, and load the hooks with "
-            "VERL_USE_EXTERNAL_MODULES=timwatch.sidecar.integrations.verl (or wrap the loss call "
-            "in "
-            "timwatch.sidecar.integrations.verl.estr_inputs(...))"
-        )
-    for name, t in (("rollout_log_probs", inputs.rollout_log_probs), ("entropy", inputs.entropy)):
-        if tuple(t.shape) != tuple(log_prob.shape):
-            raise ValueError(
-                f"estr policy loss: {name} has shape {tuple(t.shape)} but log_prob has "
-                f"{tuple(log_prob.shape)}; the context belongs to another micro-batch"
-            )
+    inputs = _check_inputs(_INPUTS.get(), old_log_prob, log_prob)
     tau, eps, source = _settings(config)
     clip = float(_cfg(config, "clip_ratio", 0.2))
     low = float(_cfg(config, "clip_ratio_low", clip))
@@ -187,7 +222,9 @@ def compute_policy_loss_estr(
     with torch.no_grad():
         pi = (old_log_prob if source == "old" else log_prob).detach().float()
         mu = inputs.rollout_log_probs.float()
-        keep_estr = estr_keep_mask(pi, mu, inputs.entropy.float(), tau=tau, eps=eps)
+        entropy = inputs.entropy
+        assert entropy is not None  # _check_inputs
+        keep_estr = estr_keep_mask(pi, mu, entropy.float(), tau=tau, eps=eps)
         keep = response & keep_estr
     log_ratio = log_prob.float() - old_log_prob.detach().float()
     per_token, clip_active = ppo_clip_token_loss(log_ratio, advantages, low, high)
@@ -208,7 +245,7 @@ def compute_policy_loss_estr(
     capture = _CAPTURE.get()
     if capture is not None:
         capture.capture(
-            logp_rollout=mu, logp_train=pi, entropy=inputs.entropy, loss_mask=response_mask
+            logp_rollout=mu, logp_train=pi, entropy=entropy, loss_mask=response_mask
         )
     values = torch.stack([v.double() for v in metrics.values()]).tolist()  # one host sync
     return loss, dict(zip(metrics, values, strict=True))
@@ -235,14 +272,14 @@ def pack_padded(
 
 
 class TimwatchTracking:
-    """A verl-style tracking backend (`log(data, step)`, `finish()`) reporting to a timwatch tap.
+    """Collects each micro-batch's μ, π_old, H and mask during one actor update and reports them
+    to a timwatch tap as one packed batch for the step.
 
-    `tap` is any object with `report(step, **packed_arrays)`, normally `Tap`, which
-    returns at once and ships in the background. The `estr` loss calls `capture(...)` for each
-    micro-batch while this backend is active (`active()`); `log(data, step)` then reports all
-    captured micro-batches of the step as one packed batch (`logp_train` = π_old, the trainer's
-    recomputation; `entropy` from the trainer's logits). verl's scalar `data` is left to verl's
-    own loggers: the monitor recomputes every metric from the tokens.
+    Not a verl `Tracking` backend: verl's `Tracking` accepts only its fixed `supported_backend`
+    list and has no way to add one. The hooks drive it (`active()` around verl's update, then
+    `log(...)`), and timwatch's scalar metrics reach verl's own loggers as the `estr` loss's
+    metrics (docs/integrations.md). `tap` is any object with `report(step, **packed_arrays)`,
+    normally `timwatch.sidecar.tap.Tap`, which returns at once and ships in the background.
     """
 
     def __init__(self, tap: SupportsReport) -> None:
@@ -281,10 +318,18 @@ class TimwatchTracking:
     def pending(self) -> int:
         return len(self._pending)
 
-    def log(self, data: Mapping[str, Any], step: int, *, passes: int = 1) -> None:
+    def discard(self) -> None:
+        """Forget what was captured (a rank that does not report: another rank of its group does)."""
+        self._pending = []
+
+    def log(
+        self, data: Mapping[str, Any], step: int, *, passes: int = 1, batch_id: str | None = None
+    ) -> None:
         """Report the captured micro-batches as one batch for `step` and clear them.
 
         `passes` > 1 (verl's `ppo_epochs`) keeps only the first pass, so each token once.
+        `batch_id` (the hooks use `verl-s{step}-dp{dp_rank}`) makes a second report of the same
+        step and rank a replay or a conflict at the monitor, never extra tokens.
         """
         del data
         pending, self._pending = self._pending, []
@@ -300,7 +345,10 @@ class TimwatchTracking:
         cu = torch.cat(pieces)
         arrays = {k: torch.cat([p[k] for _, p in parts]) for k in parts[0][1]}
         try:
-            self.tap.report(step, cu_seqlens=cu, **arrays)
+            if batch_id is None:
+                self.tap.report(step, cu_seqlens=cu, **arrays)
+            else:
+                self.tap.report(step, cu_seqlens=cu, batch_id=batch_id, **arrays)
         except Exception:  # the tap must never break training
             log.exception("timwatch tap.report failed at step %s", step)
 
@@ -311,76 +359,8 @@ class TimwatchTracking:
             close()
 
 
-_WORKER_BACKEND: TimwatchTracking | None = None
-
-
-def _worker_backend() -> TimwatchTracking | None:
-    """The per-process backend from TIMWATCH_URL / TIMWATCH_RUN / TIMWATCH_TOKEN, if set."""
-    global _WORKER_BACKEND
-    url = os.environ.get("TIMWATCH_URL")
-    if not url:
-        return None
-    if _WORKER_BACKEND is None:
-        from timwatch.sidecar.tap import Tap
-
-        tap = Tap(url, os.environ.get("TIMWATCH_RUN", "verl"), os.environ.get("TIMWATCH_TOKEN"))
-        _WORKER_BACKEND = TimwatchTracking(tap)
-    return _WORKER_BACKEND
-
-
-def install_actor_hooks(actor_cls: Any = None) -> bool:
-    """Wrap verl's FSDP actor so the `estr` loss sees μ and H, and steps reach the tap.
-
-    `_forward_micro_batch(self, micro_batch, temperature, calculate_entropy)` → after it returns,
-    `micro_batch["rollout_log_probs"]` and the output's `entropys` become the `estr_inputs`
-    context. `update_policy(self, data)` → runs with the worker's `TimwatchTracking` active and
-    reports the step (`data.meta_info["global_steps"]` when present, else a per-process count).
-    """
-    if actor_cls is None:
-        try:
-            from verl.workers.actor import dp_actor
-        except ImportError:
-            return False
-        actor_cls = dp_actor.DataParallelPPOActor
-    if getattr(actor_cls, "_timwatch_hooked", False):
-        return True
-    forward = actor_cls._forward_micro_batch
-    update = actor_cls.update_policy
-
-    @functools.wraps(forward)
-    def _forward_micro_batch(self: Any, micro_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        out = forward(self, micro_batch, *args, **kwargs)
-        rollout = (
-            micro_batch.get("rollout_log_probs", None) if hasattr(micro_batch, "get") else None
-        )
-        if rollout is not None:
-            entropy = out.get("entropys") if isinstance(out, Mapping) else out[0]
-            _INPUTS.set(EstrInputs(rollout.detach(), _detach(entropy)))
-        return out
-
-    steps = {"n": 0}
-
-    @functools.wraps(update)
-    def update_policy(self: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
-        steps["n"] += 1
-        backend = _worker_backend()
-        if backend is None:
-            return update(self, data, *args, **kwargs)
-        with backend.active():
-            metrics = update(self, data, *args, **kwargs)
-        meta = getattr(data, "meta_info", None) or {}
-        step = int(meta.get("global_steps", steps["n"]))
-        backend.log({}, step, passes=int(_cfg(getattr(self, "config", None), "ppo_epochs", 1)))
-        return metrics
-
-    actor_cls._forward_micro_batch = _forward_micro_batch
-    actor_cls.update_policy = update_policy
-    actor_cls._timwatch_hooked = True
-    return True
-
-
 def register_with_verl(*, hook_actor: bool = True) -> bool:
-    """Register `estr` in verl's POLICY_LOSS_REGISTRY (and hook the actor); False without verl."""
+    """Register `estr` in verl's POLICY_LOSS_REGISTRY (and install the hooks); False without verl."""
     try:
         from verl.trainer.ppo import core_algos
     except ImportError:
@@ -388,10 +368,9 @@ def register_with_verl(*, hook_actor: bool = True) -> bool:
     if ESTR_LOSS_NAME not in getattr(core_algos, "POLICY_LOSS_REGISTRY", {}):
         core_algos.register_policy_loss(ESTR_LOSS_NAME)(compute_policy_loss_estr)
     if hook_actor:
-        try:
-            install_actor_hooks()
-        except Exception:  # an unexpected verl layout must not stop training from starting
-            log.exception("timwatch: could not hook verl's DataParallelPPOActor")
+        from timwatch.sidecar.integrations import verl_hooks
+
+        verl_hooks.install_all()
     return True
 
 
