@@ -9,7 +9,8 @@ slime cannot be installed here: it is not on PyPI (the PyPI package named `slime
 project), and it needs Megatron-LM and SGLang with CUDA. Its tests therefore call the plug-in the
 way slime's `policy_loss_function` calls a `--custom-tis-function-path` function and use a
 stand-in for `get_log_probs_and_entropy`'s return value, both transcribed from
-slime/backends/megatron_utils/loss.py (THUDM/slime `main`, read for this test).
+slime/backends/megatron_utils/loss.py (THUDM/slime `main` at 00c2d6db, read for this test:
+`policy_loss_function` → `get_log_probs_and_entropy(..., with_entropy=True)` → `tis_func(...)`).
 """
 
 from __future__ import annotations
@@ -350,7 +351,6 @@ def test_slime_tis_function_applies_estr() -> None:
 
 def test_slime_tau_from_args_and_errors() -> None:
     old, mu, ent, masks, pg_loss, lengths = slime_micro_batch(1)
-    slime_plugin.set_entropy(ent)
     kwargs: dict[str, Any] = dict(
         pg_loss=pg_loss,
         train_log_probs=old,
@@ -359,13 +359,20 @@ def test_slime_tau_from_args_and_errors() -> None:
         total_lengths=lengths,
         response_lengths=lengths,
     )
+    slime_plugin.set_entropy(ent)
     _, _, loose = slime_plugin.estr_tis_function(types.SimpleNamespace(estr_tau=1e6), **kwargs)
     assert loose["estr_mask_ratio"].sum().item() == 0.0
+    slime_plugin.set_entropy(ent)
     _, _, tight = slime_plugin.estr_tis_function(types.SimpleNamespace(estr_tau=1e-9), **kwargs)
     assert tight["estr_mask_ratio"].sum().item() > 0
+    # the entropies were consumed: a second call on them (a stale context) refuses
+    with pytest.raises(PluginContextError, match="no entropy.*install_entropy_hook"):
+        slime_plugin.estr_tis_function(types.SimpleNamespace(), **kwargs)
+    slime_plugin.set_entropy(ent)
     cp_kwargs = dict(kwargs, train_log_probs=[t[: math.ceil(len(t) / 2)] for t in old])
-    with pytest.raises(ValueError, match=r"train_log_probs\[0\] has 3 tokens.*context parallel"):
+    with pytest.raises(PluginContextError, match=r"train_log_probs\[0\] has 3 tok.*context para"):
         slime_plugin.estr_tis_function(types.SimpleNamespace(context_parallel_size=2), **cp_kwargs)
-    slime_plugin.set_entropy(None)
-    with pytest.raises(RuntimeError, match="install_entropy_hook"):
+    # another micro-batch's entropies (other lengths) are refused too
+    slime_plugin.set_entropy(slime_micro_batch(2, lengths=(4, 2, 9, 3))[2])
+    with pytest.raises(PluginContextError, match=r"entropy\[0\] has 4 tokens"):
         slime_plugin.estr_tis_function(types.SimpleNamespace(), **kwargs)

@@ -208,3 +208,36 @@ def test_tracking_backend_list_is_fixed_and_metrics_reach_verls_file_logger(
     assert line["step"] == 4
     for key in ("actor/timwatch/estr_mask_ratio", "actor/timwatch/mismatch_kl"):
         assert line["data"][key] == pytest.approx(metrics[key])
+
+
+def test_verls_external_modules_variable_loads_the_plugin_and_its_hooks() -> None:
+    """What a launch with VERL_USE_EXTERNAL_MODULES does in each verl process (driver and
+    workers): `import verl` imports the plug-in, which registers `estr` and installs the hooks."""
+    import subprocess
+    import sys
+
+    from tests.helpers.procs import REPO
+
+    code = (
+        "import verl\n"
+        "from verl.trainer.ppo import core_algos\n"
+        "from verl.trainer.ppo.ray_trainer import RayPPOTrainer\n"
+        "from verl.workers import engine_workers as ew\n"
+        "from timwatch.sidecar.integrations.verl import compute_policy_loss_estr\n"
+        "assert core_algos.get_policy_loss_fn('estr') is compute_policy_loss_estr\n"
+        "assert ew.ppo_loss._timwatch_hooked and ew.TrainingWorker._timwatch_hooked\n"
+        "assert RayPPOTrainer._timwatch_hooked\n"
+        "print('hooked')\n"
+    )
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="timwatch.sidecar.integrations.verl")
+    env.pop("TIMWATCH_URL", None)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("hooked")
