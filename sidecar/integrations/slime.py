@@ -18,8 +18,9 @@ does not pass it to the TIS function. `install_entropy_hook` (use it as
 function so its per-sample entropies are kept for the TIS call that follows on the same
 micro-batch; the TIS function consumes them, so a call that no forward preceded (a stale
 context) raises `PluginContextError` instead of masking with another micro-batch's entropy, and
-so do per-sample entropies whose lengths differ from the call's. τ and ε come from `args.estr_tau` / `args.estr_eps` (set them in the YAML of
-`--custom-config-path`), else TIMWATCH_ESTR_TAU / TIMWATCH_ESTR_EPS, else 1.6 / 0.01.
+so do per-sample entropies whose lengths differ from the call's. τ and ε come from
+`args.estr_tau` / `args.estr_eps` (set them in the YAML of `--custom-config-path`), else
+TIMWATCH_ESTR_TAU / TIMWATCH_ESTR_EPS, else 1.6 / 0.01.
 
 Context parallelism is not supported yet: with `--context-parallel-size` > 1 the per-sample
 tensors are CP shards while `loss_masks` are whole, and the function says so instead of guessing.

@@ -19,7 +19,6 @@ installs the hooks.
 from __future__ import annotations
 
 import contextvars
-import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -141,9 +140,12 @@ def _agg_loss(
     try:
         from verl.trainer.ppo.core_algos import agg_loss
     except ImportError:
-        agg_loss = None
-    if agg_loss is not None:
-        return agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=mode, **global_info)
+        pass
+    else:
+        loss: torch.Tensor = agg_loss(
+            loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=mode, **global_info
+        )
+        return loss
     mask = loss_mask.to(loss_mat.dtype)
     dp = global_info.get("dp_size", 1) or 1
     if mode == "token-mean":
@@ -244,9 +246,7 @@ def compute_policy_loss_estr(
         }
     capture = _CAPTURE.get()
     if capture is not None:
-        capture.capture(
-            logp_rollout=mu, logp_train=pi, entropy=entropy, loss_mask=response_mask
-        )
+        capture.capture(logp_rollout=mu, logp_train=pi, entropy=entropy, loss_mask=response_mask)
     values = torch.stack([v.double() for v in metrics.values()]).tolist()  # one host sync
     return loss, dict(zip(metrics, values, strict=True))
 
@@ -319,7 +319,7 @@ class TimwatchTracking:
         return len(self._pending)
 
     def discard(self) -> None:
-        """Forget what was captured (a rank that does not report: another rank of its group does)."""
+        """Forget what was captured (a rank that does not report: another of its group does)."""
         self._pending = []
 
     def log(
@@ -360,7 +360,8 @@ class TimwatchTracking:
 
 
 def register_with_verl(*, hook_actor: bool = True) -> bool:
-    """Register `estr` in verl's POLICY_LOSS_REGISTRY (and install the hooks); False without verl."""
+    """Register `estr` in verl's POLICY_LOSS_REGISTRY (and install the hooks); False without
+    verl."""
     try:
         from verl.trainer.ppo import core_algos
     except ImportError:
