@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from timwatch.sidecar.integrations import verl as plugin
+from timwatch.sidecar.integrations import verl_loss as plugin
 
 __all__ = [
     "STEP_KEY",

@@ -28,7 +28,7 @@ from timwatch.monitor.core.errors import PluginContextError
 from timwatch.monitor.trainer.losses import estr_ppo_loss
 from timwatch.sidecar.integrations import slime as slime_plugin
 from timwatch.sidecar.integrations import verl as verl_plugin
-from timwatch.sidecar.integrations import verl_hooks
+from timwatch.sidecar.integrations import verl_hooks, verl_loss
 from timwatch.sidecar.integrations.verl import (
     TimwatchTracking,
     compute_policy_loss_estr,
@@ -160,7 +160,7 @@ def test_verl_settings_from_config_and_env(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_verl_loss_without_context_or_with_wrong_shapes_says_what_to_set() -> None:
     old, lp, mu, h, adv, mask = verl_batch(4)
-    verl_plugin._INPUTS.set(None)  # an earlier hooked forward may have left a context
+    verl_loss._INPUTS.set(None)  # an earlier hooked forward may have left a context
     with pytest.raises(PluginContextError, match="calculate_log_probs=True"):
         compute_policy_loss_estr(old, lp, adv, mask, "token-mean", actor_config(), None)
     with estr_inputs(mu, None), pytest.raises(PluginContextError, match="no entropy"):
