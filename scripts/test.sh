@@ -29,6 +29,9 @@ PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[test]'
+# real verl for the trainer plug-in's tests, without its own requirements (they would replace
+# torch==2.13.0): only what its imports need, pinned (tests/requirements-verl.txt)
+.venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt
 # schemathesis in its own cached venv: grafana-client's niquests pulls urllib3-future, which
 # replaces urllib3 where it is installed and breaks schemathesis's requests transport
 SCHEMATHESIS_PIN="schemathesis==4.32.5"

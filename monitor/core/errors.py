@@ -16,6 +16,8 @@ Each subclass also keeps the builtin base callers already catch (`ValueError` fo
     ├── StoreUnavailable (RuntimeError)    the history store is down, locked or full
     ├── SeriesMismatch (RuntimeError)      stored series chunks disagree with each other
     ├── InsecureBindError (RuntimeError)   a public bind without a write token
+    ├── PluginContextError (RuntimeError)  a trainer plug-in's per-micro-batch inputs are missing
+    │                                      or belong to another micro-batch
     ├── ApiError                           an HTTP answer the service gives (status, detail)
     └── TimwatchHTTPError (RuntimeError)   a non-2xx answer seen by the client (status, detail)
 """
@@ -33,6 +35,7 @@ __all__ = [
     "InsecureBindError",
     "JoinError",
     "NotFast",
+    "PluginContextError",
     "SeriesMismatch",
     "StoreUnavailable",
     "TimwatchError",
@@ -114,6 +117,10 @@ class SeriesMismatch(TimwatchError, RuntimeError):
 
 class InsecureBindError(TimwatchError, RuntimeError):
     """A non-loopback bind without a write token and without ``--insecure``."""
+
+
+class PluginContextError(TimwatchError, RuntimeError):
+    """A trainer plug-in's loss found no μ/H context for its micro-batch, or one set for another."""
 
 
 class ApiError(TimwatchError):

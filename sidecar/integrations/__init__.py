@@ -1,8 +1,9 @@
 """Plug-ins for RL training frameworks (verl, slime).
 
 Each submodule imports torch and is meant to be imported by the trainer process only; none of
-them needs its framework installed to be imported or tested. Importing this package itself
-imports nothing heavy.
+them needs its framework installed to be imported. `verl` (the entry module) also registers the
+loss and installs `verl_hooks` when verl is installed; `verl_loss` holds the loss side. Importing
+this package itself imports nothing heavy.
 """
 
 __all__: list[str] = []

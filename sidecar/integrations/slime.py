@@ -16,8 +16,11 @@ Entropy: slime computes H from the trainer's logits in the same `policy_loss_fun
 does not pass it to the TIS function. `install_entropy_hook` (use it as
 `--custom-megatron-init-path timwatch.sidecar.integrations.slime.install_entropy_hook`) wraps that
 function so its per-sample entropies are kept for the TIS call that follows on the same
-micro-batch. τ and ε come from `args.estr_tau` / `args.estr_eps` (set them in the YAML of
-`--custom-config-path`), else TIMWATCH_ESTR_TAU / TIMWATCH_ESTR_EPS, else 1.6 / 0.01.
+micro-batch; the TIS function consumes them, so a call that no forward preceded (a stale
+context) raises `PluginContextError` instead of masking with another micro-batch's entropy, and
+so do per-sample entropies whose lengths differ from the call's. τ and ε come from
+`args.estr_tau` / `args.estr_eps` (set them in the YAML of `--custom-config-path`), else
+TIMWATCH_ESTR_TAU / TIMWATCH_ESTR_EPS, else 1.6 / 0.01.
 
 Context parallelism is not supported yet: with `--context-parallel-size` > 1 the per-sample
 tensors are CP shards while `loss_masks` are whole, and the function says so instead of guessing.
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from timwatch.monitor.core.errors import PluginContextError
 from timwatch.monitor.core.masks import estr_keep_mask
 from timwatch.monitor.trainer.losses import k3
 
@@ -103,8 +107,9 @@ def estr_tis_function(
     """
     del kwargs, total_lengths
     entropy = _ENTROPY.get()
+    _ENTROPY.set(None)  # one micro-batch's: consumed here
     if entropy is None:
-        raise RuntimeError(
+        raise PluginContextError(
             "estr_tis_function: no entropy for this micro-batch; add "
             "--custom-megatron-init-path timwatch.sidecar.integrations.slime.install_entropy_hook"
         )
@@ -115,12 +120,12 @@ def estr_tis_function(
         ("entropy", entropy),
     ):
         if len(seq) != n:
-            raise ValueError(f"estr_tis_function: {len(seq)} {name} for {n} loss_masks")
+            raise PluginContextError(f"estr_tis_function: {len(seq)} {name} for {n} loss_masks")
         for i, (t, m) in enumerate(zip(seq, loss_masks, strict=True)):
             if t.numel() != m.numel():
                 cp = getattr(args, "context_parallel_size", 1) or 1
                 hint = " (context parallelism is not supported yet)" if cp > 1 else ""
-                raise ValueError(
+                raise PluginContextError(
                     f"estr_tis_function: {name}[{i}] has {t.numel()} tokens, loss_masks[{i}] "
                     f"has {m.numel()} (response_lengths[{i}] = {response_lengths[i]}){hint}"
                 )

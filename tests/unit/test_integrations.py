@@ -1,12 +1,16 @@
 """verl and slime plug-ins, called with tensors shaped exactly as each framework passes them.
 
-Neither framework can be installed here (verl needs Ray and a GPU stack, slime needs Megatron), so
-where a test needs the framework's own objects it builds small stand-ins that follow the real
-source: verl's `POLICY_LOSS_REGISTRY` / `register_policy_loss` and `DataParallelPPOActor`'s
-`_forward_micro_batch` → `policy_loss_fn` call sequence (verl/trainer/ppo/core_algos.py,
-verl/workers/actor/dp_actor.py), and slime's `get_log_probs_and_entropy` return value and TIS
-call (slime/backends/megatron_utils/loss.py). Expected values come from float64 references
-written here.
+verl itself runs in tests/unit/test_verl_real.py (verl 0.9.1 from PyPI). This file keeps what
+that cannot cover: the loss against float64 references written here, and the hook of the legacy
+FSDP `DataParallelPPOActor`, which verl 0.9 removed, on a stand-in that follows its call sequence
+(`_forward_micro_batch` → `policy_loss_fn`, verl/workers/actor/dp_actor.py before 0.9).
+
+slime cannot be installed here: it is not on PyPI (the PyPI package named `slime` is another
+project), and it needs Megatron-LM and SGLang with CUDA. Its tests therefore call the plug-in the
+way slime's `policy_loss_function` calls a `--custom-tis-function-path` function and use a
+stand-in for `get_log_probs_and_entropy`'s return value, both transcribed from
+slime/backends/megatron_utils/loss.py (THUDM/slime `main` at 00c2d6db, read for this test:
+`policy_loss_function` → `get_log_probs_and_entropy(..., with_entropy=True)` → `tis_func(...)`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import numpy as np
 import pytest
 import torch
 
+from timwatch.monitor.core.errors import PluginContextError
 from timwatch.monitor.trainer.losses import estr_ppo_loss
 from timwatch.sidecar.integrations import slime as slime_plugin
 from timwatch.sidecar.integrations import verl as verl_plugin
+from timwatch.sidecar.integrations import verl_hooks, verl_loss
 from timwatch.sidecar.integrations.verl import (
     TimwatchTracking,
     compute_policy_loss_estr,
@@ -154,12 +160,15 @@ def test_verl_settings_from_config_and_env(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_verl_loss_without_context_or_with_wrong_shapes_says_what_to_set() -> None:
     old, lp, mu, h, adv, mask = verl_batch(4)
-    verl_plugin._INPUTS.set(None)  # an earlier hooked forward may have left a context
-    with pytest.raises(RuntimeError, match="calculate_log_probs=True"):
+    verl_loss._INPUTS.set(None)  # an earlier hooked forward may have left a context
+    with pytest.raises(PluginContextError, match="calculate_log_probs=True"):
         compute_policy_loss_estr(old, lp, adv, mask, "token-mean", actor_config(), None)
-    with estr_inputs(mu, None), pytest.raises(RuntimeError, match="no entropy"):
+    with estr_inputs(mu, None), pytest.raises(PluginContextError, match="no entropy"):
         compute_policy_loss_estr(old, lp, adv, mask, "token-mean", actor_config(), None)
-    with estr_inputs(mu[:2], h[:2]), pytest.raises(ValueError, match="another micro-batch"):
+    with estr_inputs(mu[:2], h[:2]), pytest.raises(PluginContextError, match="another micro-bat"):
+        compute_policy_loss_estr(old, lp, adv, mask, "token-mean", actor_config(), None)
+    # same shapes, keyed to another micro-batch's old_log_probs
+    with estr_inputs(mu, h, old + 0.5), pytest.raises(PluginContextError, match="another micro"):
         compute_policy_loss_estr(old, lp, adv, mask, "token-mean", actor_config(), None)
 
 
@@ -226,10 +235,10 @@ def test_actor_hooks_feed_the_loss_and_report_each_step_once(
     monkeypatch: pytest.MonkeyPatch, epochs: int
 ) -> None:
     cls = type("Actor", (StandInActor,), {})
-    assert verl_plugin.install_actor_hooks(cls)
+    assert verl_hooks.install_actor_hooks(cls)
     tap = RecordingTap()
     monkeypatch.setenv("TIMWATCH_URL", "http://127.0.0.1:9")
-    monkeypatch.setattr(verl_plugin, "_WORKER_BACKEND", TimwatchTracking(tap))
+    monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", TimwatchTracking(tap))
     old, lp, mu, h, adv, mask = verl_batch(5, bs=6, length=10)
     data = DataProto(
         {
@@ -247,7 +256,7 @@ def test_actor_hooks_feed_the_loss_and_report_each_step_once(
     assert len(metrics["timwatch/estr_mask_ratio"]) == 2 * epochs
     assert len(tap.reports) == 1
     step, arrays = tap.reports[0]
-    assert step == 17
+    assert step == 17 and arrays.pop("batch_id") == "verl-s17-dp0"
     cu_ref, ref = pack_padded(mask, logp_rollout=mu, logp_train=old, entropy=h)
     assert arrays["cu_seqlens"].tolist() == cu_ref.tolist()
     for key in ("logp_rollout", "logp_train", "entropy", "loss_mask"):
@@ -342,7 +351,6 @@ def test_slime_tis_function_applies_estr() -> None:
 
 def test_slime_tau_from_args_and_errors() -> None:
     old, mu, ent, masks, pg_loss, lengths = slime_micro_batch(1)
-    slime_plugin.set_entropy(ent)
     kwargs: dict[str, Any] = dict(
         pg_loss=pg_loss,
         train_log_probs=old,
@@ -351,13 +359,20 @@ def test_slime_tau_from_args_and_errors() -> None:
         total_lengths=lengths,
         response_lengths=lengths,
     )
+    slime_plugin.set_entropy(ent)
     _, _, loose = slime_plugin.estr_tis_function(types.SimpleNamespace(estr_tau=1e6), **kwargs)
     assert loose["estr_mask_ratio"].sum().item() == 0.0
+    slime_plugin.set_entropy(ent)
     _, _, tight = slime_plugin.estr_tis_function(types.SimpleNamespace(estr_tau=1e-9), **kwargs)
     assert tight["estr_mask_ratio"].sum().item() > 0
+    # the entropies were consumed: a second call on them (a stale context) refuses
+    with pytest.raises(PluginContextError, match="no entropy.*install_entropy_hook"):
+        slime_plugin.estr_tis_function(types.SimpleNamespace(), **kwargs)
+    slime_plugin.set_entropy(ent)
     cp_kwargs = dict(kwargs, train_log_probs=[t[: math.ceil(len(t) / 2)] for t in old])
-    with pytest.raises(ValueError, match=r"train_log_probs\[0\] has 3 tokens.*context parallel"):
+    with pytest.raises(PluginContextError, match=r"train_log_probs\[0\] has 3 tok.*context para"):
         slime_plugin.estr_tis_function(types.SimpleNamespace(context_parallel_size=2), **cp_kwargs)
-    slime_plugin.set_entropy(None)
-    with pytest.raises(RuntimeError, match="install_entropy_hook"):
+    # another micro-batch's entropies (other lengths) are refused too
+    slime_plugin.set_entropy(slime_micro_batch(2, lengths=(4, 2, 9, 3))[2])
+    with pytest.raises(PluginContextError, match=r"entropy\[0\] has 4 tokens"):
         slime_plugin.estr_tis_function(types.SimpleNamespace(), **kwargs)
