@@ -83,6 +83,18 @@ def build_model(python: str, out: Path, seed: int = 0) -> dict[str, int]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started it ends, including by a
+    SIGKILL of its process, so a killed demo or test run does not leave a 3 GiB server behind
+    (Linux; start servers from a thread that lives as long as they should, e.g. the main one)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class VllmProcess:
     """One vLLM OpenAI server on ``port`` serving ``model_dir`` in ``dtype`` with
@@ -122,7 +134,7 @@ class VllmProcess:
                 t0 = time.monotonic()
                 self.proc = subprocess.Popen(
                     cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env=dict(os.environ, **VLLM_ENV, **self.env),
+                    env=dict(os.environ, **VLLM_ENV, **self.env), preexec_fn=_die_with_parent,
                 )  # fmt: skip
             self._wait_ready(t0 + timeout)
             self.started_s = time.monotonic() - t0

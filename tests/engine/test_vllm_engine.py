@@ -171,6 +171,7 @@ def bf16(vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFa
             cap.versions_seen.append(engine.version())
             engine.set_version("1")
             cap.gens["1"] = engine.generate(prompt, NEW, seed=1)
+            cap.gens["1-streamed"] = engine.generate(prompt, NEW, seed=1, on_tokens=lambda n: None)
             cap.weights["2"] = _weights(tiny_model, tmp / "v2", 1.3)
             engine.reload(cap.weights["2"], "2")
             cap.versions_seen.append(engine.version())
@@ -255,6 +256,7 @@ def test_reload_takes_effect_and_labels_tokens(bf16: Capture) -> None:
     models = {v: llama.load(p).eval() for v, p in bf16.weights.items()}
     g1, g2, hot = bf16.gens["1"], bf16.gens["2"], bf16.gens["inflight"]
     assert g1.versions == ["1"] * NEW and g2.versions == ["2"] * NEW
+    assert bf16.gens["1-streamed"] == g1  # the demo's streamed path parses the same answer
     k_new = _k3(_recompute(models["2"], g2.prompt, g2.token_ids)[0], g2.logprobs)
     k_old = _k3(_recompute(models["1"], g2.prompt, g2.token_ids)[0], g2.logprobs)
     assert k_new < 1e-2 and k_old > 10 * k_new
