@@ -83,7 +83,7 @@ def build(out: Path, seed: int = 0) -> dict[str, int]:
         pad_token_id=eos,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     fast.save_pretrained(out)
