@@ -30,8 +30,11 @@ class LabConfig:
     rollouts do) or topk (bf16 engine sampling the top-k/top-p processed distribution and
     reporting its log-probs). ``lag``: rollout weights this many versions old. ``correction``:
     none, tis (truncated IS weight min(π_old/μ, 2)), icepop (drop tokens with π_old/μ outside
-    [0.5, 5]) or estr (drop tokens with δ² > τ(H + 0.01)), all on PPO-clip with π_old the fp32
-    recomputation under the rollout's weights."""
+    [0.5, 5]) or estr (drop tokens with δ² > τ(H + 0.01)), all on decoupled PPO-clip:
+    ρ = π/π_old with π_old the fp32 recomputation under the current weights before the update,
+    and the correction on π_old/μ, which holds both the engine mismatch and the staleness.
+    ``proximal="behaviour"`` instead recomputes π_old under the rollout's weights (verl's default recompute): ρ then
+    carries the staleness and the corrections see the engine mismatch alone."""
 
     name: str
     engine: str = "bf16"
@@ -47,6 +50,7 @@ class LabConfig:
     prompt_len: int = 3
     lr: float = 1e-3
     updates: int = 2
+    proximal: str = "current"
 
 
 def _family(source: str, base: LabConfig) -> dict[str, LabConfig]:
@@ -68,6 +72,11 @@ CONFIGS: dict[str, LabConfig] = {
     **_family("bf16", LabConfig("bf16", engine="bf16")),
     **_family("fp8", LabConfig("fp8", engine="fp8")),
     **_family("lag2", LabConfig("lag2", engine="bf16", lag=2)),
+    # lag 2 with π_old under the rollout's weights: the corrections see only the bf16 mismatch
+    "lag2b-none": LabConfig("lag2b-none", engine="bf16", lag=2, proximal="behaviour"),
+    "lag2b-estr": LabConfig(
+        "lag2b-estr", engine="bf16", lag=2, proximal="behaviour", correction="estr"
+    ),
     **_family("topk", LabConfig("topk", engine="topk", top_k=8, top_p=0.9)),
     # the CI miniature: short enough for a ≤ 60 s stack test, long enough for the rules
     "mini": LabConfig("mini", engine="fp8", steps=40, prompts=4, group=4),

@@ -1,6 +1,7 @@
-"""One GRPO step of the lab: the engine samples a group per prompt with its own numerics, the fp32
-trainer recomputes π_old under the same (possibly stale) weights and takes PPO-clip updates with
-the configured correction; μ, π, H go to the `Tap`. Imports torch: lab-only code.
+"""One GRPO step of the lab: the engine samples a group per prompt with its own numerics and
+(possibly stale) weights, the fp32 trainer recomputes π_old under its current weights and takes
+decoupled PPO-clip updates with the configured correction on π_old/μ; μ, π, H and the rollout
+weights' fp32 log-probs go to the `Tap`. Imports torch: lab-only code.
 
 Task: copy. A prompt is `prompt_len` ids drawn from the vocabulary; the response has the same
 length; the reward is the share of positions where the response repeats the prompt's id (exact
@@ -118,7 +119,14 @@ class LabTrainer:
         adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
         adv = adv.reshape(-1, 1).expand_as(mu)
         with torch.no_grad():
-            old, h_old = logprobs_and_entropy_from_logits(self.old(full)[:, p - 1 : -1], tokens)
+            # π_behav: fp32 under the rollout's weights (the tap's logp_old: timwatch splits
+            # staleness from engine mismatch with it); π_old: fp32 under the current weights,
+            # the proximal policy of decoupled PPO. The corrections see δ = π_old − μ, engine
+            # mismatch and staleness together, as async RL trainers' rollout corrections do.
+            behav, h_behav = logprobs_and_entropy_from_logits(self.old(full)[:, p - 1 : -1], tokens)
+            old, h_old = logprobs_and_entropy_from_logits(model(full)[:, p - 1 : -1], tokens)
+            if cfg.proximal == "behaviour":  # π_old is the rollout weights' fp32 recomputation
+                old, h_old = behav, h_behav
         delta = old - mu
         keep = torch.ones_like(mu, dtype=torch.bool)
         weight = torch.ones_like(mu)
@@ -154,7 +162,7 @@ class LabTrainer:
             entropy=h0.reshape(-1), loss_mask=torch.ones(n, dtype=torch.int8),
             token_ids=tokens.reshape(-1), token_ids_train=full[:, p:].reshape(-1),
             versions=torch.full((n,), behaviour, dtype=torch.int64),
-            logp_old=old.reshape(-1), policy_version=step,
+            logp_old=behav.reshape(-1), policy_version=step,
         )  # fmt: skip
         d = (pi0 - mu).double().clamp(-20, 20)
         return StepLog(
