@@ -33,8 +33,9 @@ class LabConfig:
     [0.5, 5]) or estr (drop tokens with δ² > τ(H + 0.01)), all on decoupled PPO-clip:
     ρ = π/π_old with π_old the fp32 recomputation under the current weights before the update,
     and the correction on π_old/μ, which holds both the engine mismatch and the staleness.
-    ``proximal="behaviour"`` instead recomputes π_old under the rollout's weights (verl's default recompute): ρ then
-    carries the staleness and the corrections see the engine mismatch alone."""
+    ``proximal="behaviour"`` instead recomputes π_old under the rollout's weights (verl's
+    default recompute): ρ then carries the staleness and the corrections see the engine
+    mismatch alone."""
 
     name: str
     engine: str = "bf16"
