@@ -29,7 +29,9 @@ def test_miniature_runs_tap_to_serve_to_promtool(tmp_path: Path) -> None:
     run = tmp_path / "mini-s3"
     steps = [json.loads(line) for line in (run / "steps.jsonl").open()]
     assert [s["step"] for s in steps] == list(range(cfg.steps))
-    assert all(0 <= s["reward"] <= 1 and s["grad_norm"] > 0 and s["entropy"] >= 0 for s in steps)
+    # a step whose groups all score alike has zero advantages and a zero gradient
+    assert all(0 <= s["reward"] <= 1 and s["grad_norm"] >= 0 and s["entropy"] >= 0 for s in steps)
+    assert any(s["grad_norm"] > 0 for s in steps)
     # every token of every step reached the service and its exported counters
     series = [json.loads(line) for line in (run / "series.jsonl").open()]
     per_step = cfg.prompts * cfg.group * cfg.prompt_len
