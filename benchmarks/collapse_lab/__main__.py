@@ -59,6 +59,10 @@ def run_one(
             series.append(snapshot(server.metrics(), run))
             progress.update(task, advance=1, description=f"{run} reward {log.reward:.2f}")
     wall = time.monotonic() - started
+    sent = cfg.steps * cfg.prompts * cfg.group * cfg.prompt_len
+    counted = series[-1].get(f'timwatch_token_kl_count{{run="{run}"}}') if series else None
+    if counted != sent:  # e.g. another server shared the history and took some batches
+        raise RuntimeError(f"{run}: sent {sent} tokens, the server exported {counted}")
     with open(rundir / "steps.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in logs)
     with open(rundir / "series.jsonl", "w") as f:

@@ -112,7 +112,10 @@ def plot(runs: list[dict[str, Any]], source: str, path: Path, seed: int = 0) -> 
         if r["collapse_step"] is not None:
             for ax in axes:
                 ax.axvline(r["collapse_step"], color=c, ls="-", lw=1.5, alpha=0.5)
-        for f in r["firings"]:
+        first: dict[str, dict[str, Any]] = {}
+        for f in r["firings"]:  # sorted by step: the first firing of each alert, any label
+            first.setdefault(f["alert"], f)
+        for f in first.values():
             ls = "--" if f["severity"] == "page" else ":"
             for ax in axes:
                 ax.axvline(f["step"], color=c, ls=ls, lw=0.9)
@@ -124,7 +127,7 @@ def plot(runs: list[dict[str, Any]], source: str, path: Path, seed: int = 0) -> 
     axes[0].legend(fontsize=8, ncol=3)
     axes[0].set_title(
         f"collapse lab · source {source} · seed {seed} · solid: collapse onset · "
-        "dashed: page · dotted: warning",
+        "dashed: first page · dotted: first firing of each warning",
         fontsize=9,
     )
     fig.tight_layout()
