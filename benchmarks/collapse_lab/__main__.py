@@ -1,0 +1,117 @@
+"""``python -m benchmarks.collapse_lab --config NAME[,NAME…] [--seeds 0,1,2] [--out DIR]``.
+
+Each run: a `LabTrainer` reporting every step through the `Tap` to one real `timwatch serve`
+subprocess (shared by the runs of one invocation, a fresh SQLite history under ``--out``), the
+run's exported series read back from /metrics after each step, then replayed through the shipped
+rules by promtool. Writes ``DIR/CONFIG-sSEED/{steps.jsonl,series.jsonl,result.json}``;
+``python -m benchmarks.collapse_lab.report DIR`` makes the table and plots.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from benchmarks.collapse_lab.configs import CONFIGS, LabConfig, collapse_onset
+from benchmarks.collapse_lab.replay import first_firings
+from benchmarks.collapse_lab.serve import LabServer, snapshot
+
+
+def lead_summary(onset: int | None, firings: list[dict[str, Any]]) -> dict[str, Any]:
+    """First page and first warning (any alert of that severity), and their lead over onset."""
+    out: dict[str, Any] = {}
+    for sev in ("page", "warning"):
+        steps = [f["step"] for f in firings if f["severity"] == sev]
+        first = min(steps) if steps else None
+        out[f"first_{sev}"] = first
+        out[f"lead_{sev}"] = None if first is None or onset is None else onset - first
+    return out
+
+
+def run_one(
+    cfg: LabConfig, seed: int, server: LabServer, out: Path, progress: Progress
+) -> dict[str, Any]:
+    from benchmarks.collapse_lab.grpo import LabTrainer
+    from timwatch.sidecar.tap import Tap
+
+    run = f"{cfg.name}-s{seed}"
+    rundir = out / run
+    rundir.mkdir(parents=True, exist_ok=True)
+    trainer = LabTrainer(cfg, seed)
+    task = progress.add_task(run, total=cfg.steps)
+    logs, series = [], []
+    started = time.monotonic()
+    with Tap(server.url, run, rank=0) as tap:
+        for step in range(cfg.steps):
+            log = trainer.step(step, tap)
+            if not tap.flush(60):
+                raise RuntimeError(f"{run}: the tap could not deliver step {step}")
+            logs.append(asdict(log))
+            series.append(snapshot(server.metrics(), run))
+            progress.update(task, advance=1, description=f"{run} reward {log.reward:.2f}")
+    wall = time.monotonic() - started
+    sent = cfg.steps * cfg.prompts * cfg.group * cfg.prompt_len
+    counted = series[-1].get(f'timwatch_token_kl_count{{run="{run}"}}') if series else None
+    if counted != sent:  # e.g. another server shared the history and took some batches
+        raise RuntimeError(f"{run}: sent {sent} tokens, the server exported {counted}")
+    with open(rundir / "steps.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in logs)
+    with open(rundir / "series.jsonl", "w") as f:
+        f.writelines(json.dumps(s) + "\n" for s in series)
+    onset = collapse_onset([r["reward"] for r in logs], [r["grad_norm"] for r in logs])
+    firings = first_firings(series)
+    result = {
+        "config": cfg.name, "seed": seed, "steps": cfg.steps, "collapse_step": onset,
+        "firings": firings, **lead_summary(onset, firings), "wall_s": round(wall, 1),
+        "settings": asdict(cfg),
+    }  # fmt: skip
+    (rundir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(
+    config: Annotated[str, typer.Option(help=f"comma list of: {', '.join(CONFIGS)}")],
+    seeds: Annotated[str, typer.Option("--seeds", "--seed", help="comma list of seeds")] = "0",
+    out: Annotated[Path, typer.Option(help="output folder")] = Path("collapse-lab-runs"),
+    steps: Annotated[int, typer.Option(help="override the steps per run (0: config's)")] = 0,
+) -> None:
+    """Run lab configurations through tap → timwatch serve → promtool-evaluated shipped rules."""
+    names = [c.strip() for c in config.split(",") if c.strip()]
+    bad = [n for n in names if n not in CONFIGS]
+    if bad:
+        raise typer.BadParameter(f"unknown config {', '.join(bad)}; known: {', '.join(CONFIGS)}")
+    seed_list = [int(s) for s in seeds.split(",")]
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    # a SIGTERM unwinds like Ctrl-C, so the server subprocess is stopped below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    server = LabServer(out)
+    try:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console,
+        ) as progress:  # fmt: skip
+            for name in names:
+                cfg = CONFIGS[name] if steps <= 0 else replace(CONFIGS[name], steps=steps)
+                for seed in seed_list:
+                    r = run_one(cfg, seed, server, out, progress)
+                    fired = ", ".join(f"{f['alert']}@{f['step']}" for f in r["firings"])
+                    progress.console.print(
+                        f"{name} seed {seed}: collapse {r['collapse_step']} · "
+                        f"fired: {fired or 'nothing'} · {r['wall_s']} s"
+                    )
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    typer.run(main)

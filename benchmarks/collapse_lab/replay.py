@@ -1,0 +1,86 @@
+"""Replay a lab run's exported series through the shipped rules with `promtool test rules`.
+
+One RL step is mapped onto `MINUTES_PER_STEP` minutes of Prometheus time (a GRPO step of a 7–14B
+model takes minutes), the snapshot after step s becoming the sample at s minutes; the rules are
+evaluated every minute by Prometheus's own rule engine, unchanged (factor 1). The first firing
+time of every alert is read back from the `ALERTS` series that the engine writes: the test asks
+for `min_over_time(timestamp(ALERTS{alertstate="firing"})[…])` and expects nothing, so promtool
+prints what it got. Each firing is reported as the step it corresponds to.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["MINUTES_PER_STEP", "RULES", "first_firings"]
+
+MINUTES_PER_STEP = 1
+RULES = Path(__file__).resolve().parents[2] / "alerts" / "timwatch.rules.yml"
+_SAMPLE = re.compile(r"\{([^}]*)\}\s+([-+0-9.eE]+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _test_file(series: list[dict[str, float]], rules: Path) -> dict[str, Any]:
+    names = list(dict.fromkeys(k for snap in series for k in snap))
+    inputs = [
+        {"series": name, "values": " ".join(_fmt(snap.get(name)) for snap in series)}
+        for name in names
+    ]
+    end = (len(series) - 1) * MINUTES_PER_STEP
+    expr = f'min_over_time(timestamp(ALERTS{{alertstate="firing"}})[{end}m:1m])'
+    return {
+        "rule_files": [str(rules)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": f"{MINUTES_PER_STEP}m",
+                "input_series": inputs,
+                "promql_expr_test": [{"expr": expr, "eval_time": f"{end}m", "exp_samples": []}],
+            }
+        ],
+    }
+
+
+def _fmt(v: float | None) -> str:
+    return "_" if v is None else repr(float(v))
+
+
+def first_firings(
+    series: list[dict[str, float]], rules: Path = RULES, promtool: str = "promtool"
+) -> list[dict[str, Any]]:
+    """Every alert that fired, once per label set: alertname, severity, policy, first step."""
+    exe = shutil.which(promtool)
+    if exe is None:
+        raise RuntimeError("promtool is not installed (apt-get install prometheus)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "replay.test.yml"
+        path.write_text(yaml.safe_dump(_test_file(series, rules), sort_keys=False))
+        res = subprocess.run(
+            [exe, "test", "rules", str(path)], capture_output=True, text=True, timeout=600
+        )
+    out = res.stdout + res.stderr
+    if res.returncode == 0:
+        return []
+    if "got:" not in out:
+        raise RuntimeError(f"promtool failed:\n{out}")
+    got = out[out.index("got:") :]
+    firings = []
+    for labels, value in _SAMPLE.findall(got):
+        lab = dict(_LABEL.findall(labels))
+        minutes = float(value) / 60.0
+        firings.append(
+            {
+                "alert": lab.get("alertname", "?"),
+                "severity": lab.get("severity", "?"),
+                "policy": lab.get("policy"),
+                "step": int(round(minutes / MINUTES_PER_STEP)),
+            }
+        )
+    return sorted(firings, key=lambda f: (f["step"], f["alert"]))

@@ -1,0 +1,157 @@
+"""``python -m benchmarks.collapse_lab.report DIR [DIR…] [--md FILE] [--plots DIR]``: the lead-time
+table (Markdown) and one plot per mismatch source from the runs under the DIRs.
+
+Collapse is recomputed from each run's steps.jsonl with `configs.collapse_onset`; the alert
+firings are those the replay stored. A page (or warning) on a run that did not collapse is a false
+page (warning); lead = onset − first firing, in steps and in % of the run's steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from benchmarks.collapse_lab.configs import collapse_onset
+
+
+def load(dirs: list[Path]) -> list[dict[str, Any]]:
+    runs = []
+    for d in dirs:
+        for res in sorted(d.glob("*/result.json")):
+            r = json.loads(res.read_text())
+            steps = [json.loads(line) for line in (res.parent / "steps.jsonl").open()]
+            series = [json.loads(line) for line in (res.parent / "series.jsonl").open()]
+            r["collapse_step"] = collapse_onset(
+                [s["reward"] for s in steps], [s["grad_norm"] for s in steps]
+            )
+            r["log"], r["series"] = steps, series
+            for sev in ("page", "warning"):
+                hits = [f["step"] for f in r["firings"] if f["severity"] == sev]
+                r[f"first_{sev}"] = min(hits) if hits else None
+            runs.append(r)
+    return runs
+
+
+def _cell(values: list[Any]) -> str:
+    return ", ".join("–" if v is None else str(v) for v in values)
+
+
+def _lead(r: dict[str, Any], sev: str) -> str:
+    onset, first = r["collapse_step"], r[f"first_{sev}"]
+    if onset is None:
+        return "–"
+    if first is None or first > onset:
+        return "none" if first is None else f"late ({first - onset})"
+    lead = onset - first
+    return f"{lead} ({100 * lead / r['steps']:.0f} %)"
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        by[r["config"]].append(r)
+    head = (
+        "| configuration | seeds | collapsed | collapse step | first page | first warning "
+        "| page lead, steps (% of run) | warning lead, steps (% of run) "
+        "| false pages | false warnings |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for cfg, rs in by.items():
+        rs.sort(key=lambda r: r["seed"])
+        calm = [r for r in rs if r["collapse_step"] is None]
+        rows.append(
+            f"| {cfg} | {_cell([r['seed'] for r in rs])} "
+            f"| {sum(r['collapse_step'] is not None for r in rs)}/{len(rs)} "
+            f"| {_cell([r['collapse_step'] for r in rs])} "
+            f"| {_cell([r['first_page'] for r in rs])} "
+            f"| {_cell([r['first_warning'] for r in rs])} "
+            f"| {'; '.join(_lead(r, 'page') for r in rs)} "
+            f"| {'; '.join(_lead(r, 'warning') for r in rs)} "
+            f"| {sum(r['first_page'] is not None for r in calm)}/{len(calm)} "
+            f"| {sum(r['first_warning'] is not None for r in calm)}/{len(calm)} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def _shadow_mask(series: list[dict[str, float]], policy: str) -> list[float]:
+    def total(snap: dict[str, float], name: str, pol: str | None) -> float:
+        return sum(
+            v for k, v in snap.items()
+            if k.startswith(name + "{") and (pol is None or f'policy="{pol}"' in k)
+        )  # fmt: skip
+
+    out, prev_m, prev_t = [], 0.0, 0.0
+    for snap in series:
+        m = total(snap, "timwatch_masked_tokens_total", policy)
+        t = total(snap, "timwatch_tokens_total", None)
+        out.append((m - prev_m) / (t - prev_t) if t > prev_t else float("nan"))
+        prev_m, prev_t = m, t
+    return out
+
+
+def plot(runs: list[dict[str, Any]], source: str, path: Path, seed: int = 0) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = [r for r in runs if r["seed"] == seed and r["config"].split("-")[0] in (source,)]
+    chosen += [r for r in runs if r["seed"] == seed and r["config"] == "control"]
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    for i, r in enumerate(chosen):
+        c = f"C{i}"
+        x = [s["step"] for s in r["log"]]
+        axes[0].plot(x, [s["reward"] for s in r["log"]], c, lw=0.8, label=r["config"])
+        axes[1].semilogy(x, [max(s["grad_norm"], 1e-6) for s in r["log"]], c, lw=0.8)
+        axes[2].semilogy(x, [max(s["mismatch_kl"], 1e-14) for s in r["log"]], c, lw=0.8)
+        axes[3].plot(x, _shadow_mask(r["series"], "estr"), c, lw=0.8)
+        if r["collapse_step"] is not None:
+            for ax in axes:
+                ax.axvline(r["collapse_step"], color=c, ls="-", lw=1.5, alpha=0.5)
+        first: dict[str, dict[str, Any]] = {}
+        for f in r["firings"]:  # sorted by step: the first firing of each alert, any label
+            first.setdefault(f["alert"], f)
+        for f in first.values():
+            ls = "--" if f["severity"] == "page" else ":"
+            for ax in axes:
+                ax.axvline(f["step"], color=c, ls=ls, lw=0.9)
+    axes[0].set_ylabel("reward")
+    axes[1].set_ylabel("grad norm")
+    axes[2].set_ylabel("mismatch k3 KL\n(π current vs μ)")
+    axes[3].set_ylabel("ESTR mask ratio\n(timwatch, shadow)")
+    axes[3].set_xlabel("RL step (= 1 min of Prometheus time)")
+    axes[0].legend(fontsize=8, ncol=3)
+    axes[0].set_title(
+        f"collapse lab · source {source} · seed {seed} · solid: collapse onset · "
+        "dashed: first page · dotted: first firing of each warning",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(
+    dirs: Annotated[list[Path], typer.Argument(help="lab output folders")],
+    md: Annotated[Path | None, typer.Option(help="write the table here")] = None,
+    plots: Annotated[Path | None, typer.Option(help="write one PNG per source here")] = None,
+) -> None:
+    """Print the lead-time table of the runs under DIRS; optionally write it and the plots."""
+    runs = load(dirs)
+    text = table(runs)
+    print(text)
+    if md is not None:
+        md.write_text(text)
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+        sources = sorted({r["config"].split("-")[0] for r in runs} - {"control", "mini"})
+        for source in sources:
+            plot(runs, source, plots / f"collapse-lab-{source}.png")
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,68 @@
+"""The collapse lab's pipeline, not its science: a 40-step miniature (fp8-rounded bf16 engine,
+4 prompts × 4 samples) trains through the Tap into a real `timwatch serve` subprocess, its
+exported series are read back from /metrics and replayed through the shipped rules by promtool.
+Bounded: one subprocess (about 15 s of training on an idle machine; the 300 s limit leaves
+room for a loaded one).
+The lead-time table itself is docs/early-warning.md."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.collapse_lab.configs import CONFIGS
+from benchmarks.collapse_lab.replay import first_firings
+from tests.helpers.procs import REPO
+
+
+def test_miniature_runs_tap_to_serve_to_promtool(tmp_path: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "benchmarks.collapse_lab", "--config", "mini", "--seed", "3",
+         "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    cfg = CONFIGS["mini"]
+    run = tmp_path / "mini-s3"
+    steps = [json.loads(line) for line in (run / "steps.jsonl").open()]
+    assert [s["step"] for s in steps] == list(range(cfg.steps))
+    # a step whose groups all score alike has zero advantages and a zero gradient
+    assert all(0 <= s["reward"] <= 1 and s["grad_norm"] >= 0 and s["entropy"] >= 0 for s in steps)
+    assert any(s["grad_norm"] > 0 for s in steps)
+    # every token of every step reached the service and its exported counters
+    series = [json.loads(line) for line in (run / "series.jsonl").open()]
+    per_step = cfg.prompts * cfg.group * cfg.prompt_len
+    kl_count = [s['timwatch_token_kl_count{run="mini-s3"}'] for s in series]
+    assert kl_count == [per_step * (i + 1) for i in range(cfg.steps)]
+    # the service stored every step in its history
+    with sqlite3.connect(tmp_path / "history.db") as db:
+        (n,) = db.execute("SELECT count(*) FROM steps").fetchone()
+    assert n == cfg.steps
+    result = json.loads((run / "result.json").read_text())
+    assert result["config"] == "mini" and result["steps"] == cfg.steps
+    for f in result["firings"]:
+        assert f["alert"].startswith("Timwatch") and 0 < f["step"] < cfg.steps
+
+
+def test_replay_reports_when_a_shipped_alert_first_fires() -> None:
+    """A hand-made series through the real rules: k3 KL 0.05 per token from step 0 makes
+    TimwatchMismatchKLHigh (10 min mean > 0.01 for 15 min) fire at step 16 of a 1-min clock
+    (the first 10-min rate exists at 1 min, pending from there, firing 15 min later); a KL of
+    0.001 fires nothing."""
+    run = 'run="r"'
+
+    def series(kl: float, steps: int = 40) -> list[dict[str, float]]:
+        return [
+            {f"timwatch_token_kl_sum{{{run}}}": kl * 100 * (i + 1),
+             f"timwatch_token_kl_count{{{run}}}": 100.0 * (i + 1)}
+            for i in range(steps)
+        ]  # fmt: skip
+
+    fired = first_firings(series(0.05))
+    assert [(f["alert"], f["severity"], f["step"]) for f in fired] == [
+        ("TimwatchMismatchKLHigh", "warning", 16)
+    ]
+    assert first_firings(series(0.001)) == []
