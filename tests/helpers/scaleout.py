@@ -34,6 +34,7 @@ __all__ = [
     "Ack",
     "Producer",
     "additive_samples",
+    "exposed_additive",
     "haproxy_config",
     "prometheus_config",
 ]
@@ -186,12 +187,28 @@ class Producer:
 Sample = tuple[str, tuple[tuple[str, str], ...]]  # name, sorted labels
 
 
-def additive_samples(run: str, acc: Accumulator) -> dict[Sample, float]:
-    """Every additive sample (counters, summaries, histograms) a replica holding `acc` for
-    `run` exports: ``(name, sorted labels) → value``."""
-    state = RunState(run, acc, {}, 0, 0.0, 0.0)
+def additive_samples(run: str, acc: Accumulator, tap_dropped: int = 0) -> dict[Sample, float]:
+    """Every additive sample (counters, summaries, histograms) a replica holding `acc` (and
+    `tap_dropped` tap drops) for `run` exports: ``(name, sorted labels) → value``."""
+    state = RunState(run, acc, {}, 0, 0.0, 0.0, tap_dropped)
     out: dict[Sample, float] = {}
     for fam in TimwatchCollector(RunRegistry()).families([state], None):
+        if fam.type not in ("counter", "summary", "histogram"):
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_created") or "run" not in s.labels:
+                continue
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def exposed_additive(text: str) -> dict[Sample, float]:
+    """The additive samples of runs in one replica's ``/metrics`` text, keyed like
+    `additive_samples`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[Sample, float] = {}
+    for fam in text_string_to_metric_families(text):
         if fam.type not in ("counter", "summary", "histogram"):
             continue
         for s in fam.samples:
