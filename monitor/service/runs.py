@@ -96,7 +96,9 @@ class RunRegistry:
             cur = self._runs.get(run)
             if cur is None:
                 acc, tap = (acc, tap_dropped) if totals is None else totals
-                self._runs[run] = RunState(run, acc, row, step, now_m, now_w, tap, version=self._clock)
+                self._runs[run] = RunState(
+                    run, acc, row, step, now_m, now_w, tap, version=self._clock
+                )
                 return
             cur.version = self._clock
             if totals is None:

@@ -84,8 +84,13 @@ def seed_rows(conn: Connection, replica_id: str, since: float) -> list[SeedRow]:
     """`replica_id`'s runs with a batch at or after the wall time `since`, sorted by run."""
     q = (
         select(
-            _totals.c.run_id, _totals.c.state, _totals.c.step, _totals.c.tap_dropped,
-            _totals.c.updated_at, _runs.c.finished_at, _details.c.row,
+            _totals.c.run_id,
+            _totals.c.state,
+            _totals.c.step,
+            _totals.c.tap_dropped,
+            _totals.c.updated_at,
+            _runs.c.finished_at,
+            _details.c.row,
         )  # fmt: skip
         .join(_runs, _runs.c.id == _totals.c.run_id)
         .outerjoin(
@@ -96,8 +101,12 @@ def seed_rows(conn: Connection, replica_id: str, since: float) -> list[SeedRow]:
     )
     return [
         SeedRow(
-            r.run_id, Accumulator.from_state(r.state), int(r.step), r.row or {},
-            int(r.tap_dropped), float(r.updated_at),
+            r.run_id,
+            Accumulator.from_state(r.state),
+            int(r.step),
+            r.row or {},
+            int(r.tap_dropped),
+            float(r.updated_at),
             None if r.finished_at is None else float(r.finished_at),
         )  # fmt: skip
         for r in conn.execute(q)

@@ -34,6 +34,7 @@ __all__ = [
     "Ack",
     "Producer",
     "additive_samples",
+    "additive_mismatches",
     "exposed_additive",
     "haproxy_config",
     "prometheus_config",
@@ -215,4 +216,20 @@ def exposed_additive(text: str) -> dict[Sample, float]:
             if s.name.endswith("_created") or "run" not in s.labels:
                 continue
             out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def additive_mismatches(got: dict[Sample, float], want: dict[Sample, float]) -> list[Any]:
+    """Where `got` differs from `want`: a missing or extra sample, an integer sample (``_total``,
+    ``_count``, ``_bucket``) not exactly equal, a float ``_sum`` off by more than 1e-9 relative
+    (the same batches added in another order). Empty when they agree."""
+    out: list[Any] = [("missing", k) for k in want.keys() - got.keys()]
+    out += [("extra", k) for k in got.keys() - want.keys()]
+    for k in want.keys() & got.keys():
+        a, b = got[k], want[k]
+        if k[0].endswith("_sum"):
+            if abs(a - b) > 1e-9 * max(abs(a), abs(b)) + 1e-12:
+                out.append((k, a, b))
+        elif a != b:
+            out.append((k, a, b))
     return out
