@@ -378,8 +378,8 @@ def test_fleet_totals_in_victoriametrics_equal_the_store(scaleout: Scaleout) -> 
     victim = s.replicas[VICTIM].url[len("http://") :]
     assert s.victim_last_scrape, "Prometheus never scraped a batch count from the killed process"
     for base in (s.prom, s.vm):
-        now = {r["metric"]["run"]: float(r["value"][1])
-               for r in s.query(base, f'timwatch_batches_total{{instance="{victim}"}}')}  # fmt: skip
+        expr = f'timwatch_batches_total{{instance="{victim}"}}'
+        now = {r["metric"]["run"]: float(r["value"][1]) for r in s.query(base, expr)}
         for run, before in s.victim_last_scrape.items():
             assert now[run] >= before > 0, (run, before, now)
         resets = s.query(base, f'resets(timwatch_batches_total{{instance="{victim}"}}[10m])')
