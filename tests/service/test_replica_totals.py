@@ -254,7 +254,8 @@ def test_totals_count_new_batches_only_per_replica(sqlite_store: Store) -> None:
         assert row.run == "run" and row.totals.batches == len(mine)
         assert row.totals.to_state() == want.to_state()  # same order of addition: exact
         assert row.tap_dropped == sum(i for i in range(5) if i % 2 == k)
-        assert row.step == k and row.row == sqlite_store.get_step("run", k)["row"]
+        got = sqlite_store.get_step("run", k)
+        assert got is not None and row.step == k and row.row == got["row"]
         assert row.finished_at is None
         assert tallies[-2 + k].totals is not None
     assert sqlite_store.replica_seed("r0", time.time() + 60) == []  # older than `since`
