@@ -14,6 +14,8 @@ float ``_sum`` samples (the replicas add the same batches in another order).
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -27,7 +29,7 @@ from sqlalchemy import create_engine, select
 
 from tests.helpers.batches import RawBatch
 from tests.helpers.pg import fresh_database
-from tests.helpers.procs import ServerProc, free_port, server_env
+from tests.helpers.procs import REPO, ServerProc, free_port, server_env
 from tests.helpers.scaleout import (
     Sample,
     additive_mismatches,
@@ -170,9 +172,11 @@ def _assert_equal(got: dict[Sample, float], want: dict[Sample, float]) -> None:
     assert any(k[0].endswith("_sum") for k in want)
 
 
-def _kill_and_check(db: str, tmp: Path, kill_after: int) -> None:
+def _kill_and_check(db: str, tmp: Path, kill_after: int, via_env: bool = False) -> None:
+    """Two replicas with ids (``--replica-id``, or ``TIMWATCH_REPLICA_ID`` with `via_env`)."""
     servers = [
-        ServerProc(db, free_port(), ["--replica-id", f"rep-{k}"], server_env(None),
+        ServerProc(db, free_port(), [] if via_env else ["--replica-id", f"rep-{k}"],
+                   server_env({"TIMWATCH_REPLICA_ID": f"rep-{k}"} if via_env else None),
                    tmp / f"rep-{k}.log")
         for k in range(2)
     ]  # fmt: skip
@@ -212,7 +216,17 @@ def test_pg_replica_killed_mid_load_restarts_with_its_counters(tmp_path: Path) -
 
 def test_sqlite_replica_killed_mid_load_restarts_with_its_counters(tmp_path: Path) -> None:
     _kill_and_check(f"sqlite:///{tmp_path / 'tw.db'}", tmp_path,
-                    kill_after=len(RUNS) * THREADS * PER_THREAD // 3)  # fmt: skip
+                    kill_after=len(RUNS) * THREADS * PER_THREAD // 3, via_env=True)  # fmt: skip
+
+
+def test_a_replica_id_outside_the_alphabet_is_refused_at_start(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "timwatch", "serve", "--db", f"sqlite:///{tmp_path / 'x.db'}",
+         "--replica-id", "two words"],
+        capture_output=True, text=True, timeout=120, env=server_env(None), cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--replica-id" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.db").exists()  # refused before the store was opened
 
 
 # ---- the store and the registry, in process ------------------------------------------------
