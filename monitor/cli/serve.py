@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 import typer
@@ -15,7 +16,16 @@ from timwatch.monitor.service.settings import (
     DEFAULT_RUN_TTL,
 )
 
-__all__ = ["serve"]
+__all__ = ["check_replica_id", "serve"]
+
+_REPLICA_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def check_replica_id(value: str | None) -> str | None:
+    """``--replica-id``: None or 1-128 characters of [A-Za-z0-9._:-] (a pod or service name)."""
+    if value is not None and not _REPLICA_ID.fullmatch(value):
+        raise typer.BadParameter("use 1-128 characters of [A-Za-z0-9._:-]")
+    return value
 
 
 @with_policy_options
@@ -71,6 +81,19 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    replica_id: Annotated[
+        str | None,
+        typer.Option(
+            envvar="TIMWATCH_REPLICA_ID",
+            metavar="ID",
+            callback=check_replica_id,
+            help="this replica's stable name (1-128 of [A-Za-z0-9._:-]): its counters are "
+            "kept in the store under it, in each batch's transaction, and continue after a "
+            "restart with the same id; unset, they restart at 0 with the process. Give every "
+            "running replica its own id",
+            show_default=False,
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     *,
     params: PolicyParams,
@@ -83,6 +106,6 @@ def serve(
         host=host, port=port, db_url=db, token=token or None, read_token=read_token or None,
         max_body=max_body, max_inflight=max_inflight, run_ttl=run_ttl, finish_grace=finish_grace,
         nonfinite=check_nonfinite(nonfinite), params=params, insecure=insecure,
-        tokenizer=tokenizer or None,
+        tokenizer=tokenizer or None, replica_id=replica_id,
     )  # fmt: skip
     run_server(settings, log_level=log_level)

@@ -14,6 +14,7 @@ neither waits behind ingests blocked on the store.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -54,6 +55,18 @@ async def _store_down(request: Request, exc: StoreUnavailable) -> Response:
     )
 
 
+def seed_registry(runs: RunRegistry, db: Store, replica_id: str) -> int:
+    """Load the runs `replica_id` counted before this process (its stored totals, still live by
+    the TTL and finish grace) so its counters continue; returns how many."""
+    rows = db.replica_seed(replica_id, time.time() - runs.ttl)
+    n = sum(
+        runs.seed(r.run, (r.totals, r.tap_dropped), r.row, r.step, r.updated_at, r.finished_at)
+        for r in rows
+    )
+    log.info("replica %s: %d live runs loaded from the store", replica_id, n)
+    return n
+
+
 def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     """The ASGI app. Opens (and migrates) the store unless one is given; closes it on
     shutdown either way. The store pinger runs while the lifespan does. A ``tokenizer`` file
@@ -61,6 +74,8 @@ def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
     token_text = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
     db = store if store is not None else Store(settings.db_url)
     runs = RunRegistry(ttl=settings.run_ttl, finish_grace=settings.finish_grace)
+    if settings.replica_id is not None:
+        seed_registry(runs, db, settings.replica_id)
     serving = Serving.build(settings, db, runs)
 
     @asynccontextmanager

@@ -28,6 +28,7 @@ from timwatch.monitor.core.tags import parse_tags
 from timwatch.monitor.service.responses import encode_masks
 from timwatch.monitor.service.runs import RunRegistry
 from timwatch.monitor.store import Store
+from timwatch.monitor.store.totals import Tally
 
 __all__ = [
     "MAX_TAP_DROPPED",
@@ -114,6 +115,7 @@ def ingest_batch(
     masks: Sequence[str] = (),
     tags: Mapping[str, str] | None = None,
     tap_dropped: int = 0,
+    replica_id: str | None = None,
 ) -> dict[str, Any]:
     """Ingest one batch of `run` and answer what ``POST /v1/runs/{run}/batches`` answers.
 
@@ -121,7 +123,9 @@ def ingest_batch(
     `runs` (with ``tap_dropped`` added to the run's tap-drop counter); a replay (same
     ``batch_id``, same digest) returns the stored answer with ``replayed: true`` and touches
     nothing; a conflict (same ``batch_id``, other digest) is a 409 and touches nothing. ``masks``
-    adds the keep masks of those policies (computed for new batches and replays).
+    adds the keep masks of those policies (computed for new batches and replays). With a
+    ``replica_id`` a new batch is also counted in that replica's stored run totals, in the
+    same transaction, and the run's counters are set to them (`RunRegistry.observe`).
     """
     check_run(run)
     batch = parse_batch(body, content_type, nonfinite=nonfinite, reason="validation")
@@ -132,7 +136,7 @@ def ingest_batch(
         stored = store.find_batch(run, bid, digest) if bid is not None else None
         if stored is None:
             answer, replayed = _record(
-                store, runs, run, batch, params, dict(tags or {}), digest, tap_dropped
+                store, runs, run, batch, params, dict(tags or {}), digest, tap_dropped, replica_id
             )
         else:
             answer, replayed = stored, True
@@ -157,6 +161,7 @@ def _record(
     tags: dict[str, str],
     digest: str | None,
     tap_dropped: int,
+    replica_id: str | None,
 ) -> tuple[dict[str, Any], bool]:
     acc: Accumulator = accumulate(batch, params)
     batch_row = derive_row(acc).to_dict()
@@ -171,12 +176,16 @@ def _record(
             "step_row": step_row,
         }
 
+    tally = None if replica_id is None else Tally(replica_id, tap_dropped)
     answer, replayed, _merged = store.record_batch(
         run, step=batch.step, batch_id=batch.batch_id, acc=acc,
-        tokens=batch.num_tokens, respond=respond, tags=tags, digest=digest,
+        tokens=batch.num_tokens, respond=respond, tags=tags, digest=digest, tally=tally,
     )  # fmt: skip
     if not replayed:  # else a concurrent twin with this batch_id was stored and counted first
-        runs.observe(run, acc, answer["step_row"], batch.step, tap_dropped)
+        totals = None
+        if tally is not None and tally.totals is not None:
+            totals = (tally.totals, tally.tap_dropped_total)
+        runs.observe(run, acc, answer["step_row"], batch.step, tap_dropped, totals)
         if tap_dropped:
             log.warning(
                 "run %s: the tap reports %d batches dropped before batch %s of step %d",

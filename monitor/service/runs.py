@@ -4,6 +4,12 @@ Lifecycle of a run here: its first accepted batch makes it live; it stays export
 arrive and for ``ttl`` seconds after the last one (default one day, so a stuck run keeps its
 series and its stall alert); ``finish`` marks it finished, and a finished run leaves after
 ``finish_grace`` seconds. A batch accepted after ``finish`` re-opens the run (unfinished again).
+
+Counters: without a replica id they count what this process accepted and restart at 0 with the
+process, like any Prometheus counter. With one (``timwatch serve --replica-id``) every batch
+comes with the replica's committed run totals (`timwatch.monitor.store.totals`), which replace
+the accumulator when they hold more batches, and `seed` loads them at start: the exported
+counters then equal what that id has stored, across restarts and eviction.
 """
 
 from __future__ import annotations
@@ -39,12 +45,13 @@ class RunState:
     """What the exporter needs about one run: cumulative sums and the latest step row."""
 
     run: str
-    acc: Accumulator  # every accepted batch since this process started
+    acc: Accumulator  # every accepted batch since this process started (or the replica's totals)
     row: dict[str, Any]  # the step row answered for the most recent batch (gauges)
     step: int
     last_seen: float  # time.monotonic() of the last accepted batch (TTL)
     last_batch_ts: float  # wall clock of the last accepted batch
     tap_dropped: int = 0  # batches the run's taps reported dropping (Timwatch-Tap-Dropped)
+    tap_outside: int = 0  # of which reported at a finish, not with a batch (never stored)
     finished_m: float | None = None  # time.monotonic() of finish; None while running
     version: int = 0  # registry-wide counter value of the last change (render cache key)
 
@@ -66,30 +73,69 @@ class RunRegistry:
     _clock: int = 0
 
     def observe(
-        self, run: str, acc: Accumulator, row: dict[str, Any], step: int, tap_dropped: int = 0
+        self,
+        run: str,
+        acc: Accumulator,
+        row: dict[str, Any],
+        step: int,
+        tap_dropped: int = 0,
+        totals: tuple[Accumulator, int] | None = None,
     ) -> None:
         """Add one newly accepted batch (never a replay) to ``run``'s live state; a finished
         run is re-opened.
 
-        Counters take every batch; the gauges follow the highest step seen, so a late batch of
-        an older step does not move ``timwatch_step`` backwards.
+        Counters take every batch; with ``totals`` (the replica's committed run totals and tap
+        drops, `store.totals.Tally`) they are set to those instead, unless they already hold
+        as many batches (a concurrent batch of this replica committed after this one and was
+        observed first: its totals include this batch). The gauges follow the highest step
+        seen, so a late batch of an older step does not move ``timwatch_step`` backwards.
         """
         now_m, now_w = time.monotonic(), time.time()
         with self._lock:
             self._clock += 1
             cur = self._runs.get(run)
             if cur is None:
+                acc, tap = (acc, tap_dropped) if totals is None else totals
                 self._runs[run] = RunState(
-                    run, acc, row, step, now_m, now_w, tap_dropped, version=self._clock
+                    run, acc, row, step, now_m, now_w, tap, version=self._clock
                 )
-            else:
-                cur.version = self._clock
+                return
+            cur.version = self._clock
+            if totals is None:
                 cur.acc = cur.acc.merge(acc)
-                cur.last_seen, cur.last_batch_ts = now_m, now_w
                 cur.tap_dropped += tap_dropped
-                cur.finished_m = None
-                if step >= cur.step:
-                    cur.row, cur.step = row, step
+            elif totals[0].batches > cur.acc.batches:
+                cur.acc, cur.tap_dropped = totals[0], totals[1] + cur.tap_outside
+            cur.last_seen, cur.last_batch_ts = now_m, now_w
+            cur.finished_m = None
+            if step >= cur.step:
+                cur.row, cur.step = row, step
+
+    def seed(
+        self,
+        run: str,
+        totals: tuple[Accumulator, int],
+        row: dict[str, Any],
+        step: int,
+        last_batch_ts: float,
+        finished_at: float | None,
+    ) -> bool:
+        """Load a run a replica had counted before it started (its stored totals, the row of
+        its highest step, the wall time of its last batch and of the finish, if any), aged so
+        the TTL and the finish grace run from those times; False if already expired (nothing
+        loaded) or already live."""
+        now_m, now_w = time.monotonic(), time.time()
+        last_m = now_m - max(0.0, now_w - last_batch_ts)
+        fin_m = None if finished_at is None else now_m - max(0.0, now_w - finished_at)
+        acc, tap = totals
+        state = RunState(run, acc, row, step, last_m, last_batch_ts, tap, finished_m=fin_m)
+        with self._lock:
+            if run in self._runs or self._expired(state, now_m):
+                return False
+            self._clock += 1
+            state.version = self._clock
+            self._runs[run] = state
+            return True
 
     def finish(self, run: str, now: float | None = None) -> bool:
         """Mark a live run finished (it leaves after ``finish_grace``); False if not live.
@@ -131,6 +177,7 @@ class RunRegistry:
             if cur is None:
                 return False
             cur.tap_dropped += n
+            cur.tap_outside += n
             self._clock += 1
             cur.version = self._clock
             return True

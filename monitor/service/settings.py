@@ -60,6 +60,9 @@ class Settings:
     insecure: bool = False
     #: a Hugging Face tokenizer.json: the report shows the worst tokens' text (None: ids only)
     tokenizer: str | None = None
+    #: ``--replica-id``: counters are kept in the store under this id and continue across
+    #: restarts (None: they restart at 0 with the process)
+    replica_id: str | None = None
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:

@@ -35,6 +35,7 @@ __all__ = [
     "Base",
     "BatchRecord",
     "Event",
+    "ReplicaTotals",
     "Run",
     "Step",
     "StepDetail",
@@ -204,3 +205,19 @@ class Event(Base):
     step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     message: Mapped[str] = mapped_column(Text, default="")
     data: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class ReplicaTotals(Base):
+    """What one replica (``timwatch serve --replica-id``) has counted for one run since the id
+    was first used: the merge of every batch it stored new, written in that batch's own
+    transaction, so a batch is acknowledged exactly when it is counted here. A restarted
+    replica seeds its exported counters from its rows."""
+
+    __tablename__ = "replica_totals"
+
+    replica_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)  # `Accumulator.to_state`
+    step: Mapped[int] = mapped_column(BigInteger)  # the highest step it stored a batch of
+    tap_dropped: Mapped[int] = mapped_column(BigInteger)  # drops reported with those batches
+    updated_at: Mapped[float] = mapped_column(Double)  # wall time of its last batch

@@ -32,6 +32,7 @@ from timwatch.monitor.store.models import (
     steps_table,
 )
 from timwatch.monitor.store.series import SeriesMismatch, jsonable, read_series
+from timwatch.monitor.store.totals import SeedRow, Tally, seed_rows
 from timwatch.monitor.store.writes import finish_run, flatten_row, replay_of, write_new_batch
 
 __all__ = ["Store", "StoreUnavailable", "flatten_row"]
@@ -117,6 +118,7 @@ class Store:
         tags: dict[str, str] | None = None,
         now: float | None = None,
         digest: str | None = None,
+        tally: Tally | None = None,
     ) -> tuple[dict[str, Any], bool, Any]:
         """Merge one batch's accumulator into its step, atomically.
 
@@ -125,7 +127,9 @@ class Store:
         (same ``batch_id``, same digest) returns the stored answer, ``True`` and ``None`` and
         writes nothing; the same ``batch_id`` with another digest raises `BatchConflict`, and
         tags past `MAX_TAGS` raise `InputError`, both writing nothing. The check runs inside
-        the transaction, so of two concurrent twins exactly one is stored.
+        the transaction, so of two concurrent twins exactly one is stored. A new batch with a
+        `tally` is also merged into that replica's run totals in the same transaction
+        (`store.totals`); the totals are in the tally once this returns.
         """
 
         def go() -> tuple[dict[str, Any], bool, Any]:
@@ -140,7 +144,7 @@ class Store:
                         answer, merged = write_new_batch(
                             conn, run, step=step, batch_id=batch_id, acc=acc, tokens=tokens,
                             respond=respond, tags=tags, ts=ts, digest=digest,
-                            sqlite=self.sqlite,
+                            sqlite=self.sqlite, tally=tally,
                         )  # fmt: skip
                     return answer, False, merged
                 except IntegrityError:
@@ -151,6 +155,15 @@ class Store:
 
         with self.health.recording("write"):
             return self._guard(go)
+
+    def replica_seed(self, replica_id: str, since: float) -> list[SeedRow]:
+        """`replica_id`'s run totals with a batch at or after wall time `since`."""
+
+        def go() -> list[SeedRow]:
+            with self.engine.connect() as conn:
+                return seed_rows(conn, replica_id, since)
+
+        return cast(list[SeedRow], self._guard(go))
 
     def finish_run(self, run: str, now: float | None = None) -> tuple[float, bool] | None:
         """Mark ``run`` finished: ``(finished_at, newly)``, None for an unknown run

@@ -28,6 +28,7 @@ from timwatch.monitor.store.models import (
     steps_table,
 )
 from timwatch.monitor.store.series import write_step as write_series
+from timwatch.monitor.store.totals import Tally, add_to_totals
 
 __all__ = [
     "StoredBatch",
@@ -235,9 +236,11 @@ def write_new_batch(
     ts: float,
     digest: str | None,
     sqlite: bool,
+    tally: Tally | None = None,
 ) -> tuple[dict[str, Any], Accumulator]:
     """Everything a new batch writes (run, step row, details, series, events, the batch row
-    with its answer and digest); returns ``(answer, merged step accumulator)``."""
+    with its answer and digest, and with a `tally` the replica's run totals, last so their row
+    lock is held the shortest); returns ``(answer, merged step accumulator)``."""
     touch_run(conn, run, step, ts, tags)
     prev = lock_step_state(conn, run, step, sqlite)
     merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
@@ -257,4 +260,6 @@ def write_new_batch(
             digest=digest,
         )
     )
+    if tally is not None:
+        add_to_totals(conn, run, step, ts, acc, tally, sqlite)
     return answer, merged

@@ -34,6 +34,8 @@ __all__ = [
     "Ack",
     "Producer",
     "additive_samples",
+    "additive_mismatches",
+    "exposed_additive",
     "haproxy_config",
     "prometheus_config",
 ]
@@ -186,10 +188,10 @@ class Producer:
 Sample = tuple[str, tuple[tuple[str, str], ...]]  # name, sorted labels
 
 
-def additive_samples(run: str, acc: Accumulator) -> dict[Sample, float]:
-    """Every additive sample (counters, summaries, histograms) a replica holding `acc` for
-    `run` exports: ``(name, sorted labels) → value``."""
-    state = RunState(run, acc, {}, 0, 0.0, 0.0)
+def additive_samples(run: str, acc: Accumulator, tap_dropped: int = 0) -> dict[Sample, float]:
+    """Every additive sample (counters, summaries, histograms) a replica holding `acc` (and
+    `tap_dropped` tap drops) for `run` exports: ``(name, sorted labels) → value``."""
+    state = RunState(run, acc, {}, 0, 0.0, 0.0, tap_dropped)
     out: dict[Sample, float] = {}
     for fam in TimwatchCollector(RunRegistry()).families([state], None):
         if fam.type not in ("counter", "summary", "histogram"):
@@ -198,4 +200,36 @@ def additive_samples(run: str, acc: Accumulator) -> dict[Sample, float]:
             if s.name.endswith("_created") or "run" not in s.labels:
                 continue
             out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def exposed_additive(text: str) -> dict[Sample, float]:
+    """The additive samples of runs in one replica's ``/metrics`` text, keyed like
+    `additive_samples`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[Sample, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.type not in ("counter", "summary", "histogram"):
+            continue
+        for s in fam.samples:
+            if s.name.endswith("_created") or "run" not in s.labels:
+                continue
+            out[(s.name, tuple(sorted(s.labels.items())))] = float(s.value)
+    return out
+
+
+def additive_mismatches(got: dict[Sample, float], want: dict[Sample, float]) -> list[Any]:
+    """Where `got` differs from `want`: a missing or extra sample, an integer sample (``_total``,
+    ``_count``, ``_bucket``) not exactly equal, a float ``_sum`` off by more than 1e-9 relative
+    (the same batches added in another order). Empty when they agree."""
+    out: list[Any] = [("missing", k) for k in want.keys() - got.keys()]
+    out += [("extra", k) for k in got.keys() - want.keys()]
+    for k in want.keys() & got.keys():
+        a, b = got[k], want[k]
+        if k[0].endswith("_sum"):
+            if abs(a - b) > 1e-9 * max(abs(a), abs(b)) + 1e-12:
+                out.append((k, a, b))
+        elif a != b:
+            out.append((k, a, b))
     return out

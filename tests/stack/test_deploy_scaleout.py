@@ -59,6 +59,8 @@ def test_compose_validates_with_the_compose_client() -> None:
             env_vars["TIMWATCH_DB"].startswith("postgresql+psycopg://")
             and "@postgres:" in (env_vars["TIMWATCH_DB"])
         )
+        assert env_vars["TIMWATCH_REPLICA_ID"] == name  # stable, one per replica
+        assert env_vars["TIMWATCH_TOKEN"] == "t"
     # the token is mandatory: without it the client refuses the file
     bare = _run(exe, "-f", SCALEOUT / "docker-compose.yml", "config", env={"PATH": "/usr/bin"})
     assert bare.returncode != 0 and "TIMWATCH_TOKEN" in bare.stderr
@@ -123,12 +125,16 @@ def test_k8s_manifests_fit_together() -> None:
     files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(_yaml(K8S / "kustomization.yaml")["resources"]) == files
     objs = _k8s()
-    deploy = objs[("Deployment", "timwatch")]
+    deploy = objs[("StatefulSet", "timwatch")]
     assert deploy["spec"]["replicas"] >= 2
+    # stable pod names are the replicas' ids, and the scrape's instance label
+    assert deploy["spec"]["serviceName"] == "timwatch-replicas"
     pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
     assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    (rid,) = [e for e in container["env"] if e["name"] == "TIMWATCH_REPLICA_ID"]
+    assert rid["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     for svc_name in ("timwatch", "timwatch-replicas"):
         svc = objs[("Service", svc_name)]
         assert svc["spec"]["selector"].items() <= pod_labels.items(), svc_name
@@ -139,6 +145,8 @@ def test_k8s_manifests_fit_together() -> None:
         replicas_svc["metadata"]["labels"].items()
     )
     assert monitor["spec"]["endpoints"][0]["port"] == replicas_svc["spec"]["ports"][0]["name"]
+    (relabel,) = monitor["spec"]["endpoints"][0]["relabelings"]
+    assert relabel == {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "instance"}
     prom = objs[("Prometheus", "timwatch")]
     assert prom["spec"]["serviceMonitorSelector"]["matchLabels"].items() <= (
         monitor["metadata"]["labels"].items()

@@ -84,7 +84,7 @@ async def ingest(
             answer = await run_in_threadpool(
                 ingest_batch, store, runs, run, body, request.headers.get("content-type", ""),
                 params=settings.params, nonfinite=settings.nonfinite, masks=wanted, tags=tags,
-                tap_dropped=tap_dropped,
+                tap_dropped=tap_dropped, replica_id=settings.replica_id,
             )  # fmt: skip
     return json_response(answer)
 
