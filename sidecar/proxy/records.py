@@ -201,6 +201,8 @@ class RolloutRecord:
     entropy_source: str | None = None
     created: float = field(default_factory=time.time)
     engine: str = "sglang"
+    sampling: dict[str, Any] | None = None
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -248,6 +250,8 @@ class RolloutRecord:
             entropy_source=d.get("entropy_source"),
             created=float(d.get("created", time.time())),
             engine=str(d.get("engine", "sglang")),
+            sampling=d.get("sampling"),
+            logprobs_mode=d.get("logprobs_mode"),
         )
 
 
@@ -287,6 +291,8 @@ class HeldRecord:
     entropy_source: str | None = None
     created: float = field(default_factory=time.time)
     engine: str = "sglang"
+    sampling: dict[str, Any] | None = None
+    logprobs_mode: str | None = None
 
     @classmethod
     def build(
@@ -346,6 +352,8 @@ class HeldRecord:
         )
         object.__setattr__(held, "created", rec.created)
         object.__setattr__(held, "engine", rec.engine)
+        object.__setattr__(held, "sampling", rec.sampling)
+        object.__setattr__(held, "logprobs_mode", rec.logprobs_mode)
         return held
 
     @property
@@ -380,4 +388,6 @@ class HeldRecord:
             entropy_source=self.entropy_source,
             created=self.created,
             engine=self.engine,
+            sampling=self.sampling,
+            logprobs_mode=self.logprobs_mode,
         )
