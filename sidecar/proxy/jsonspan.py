@@ -7,9 +7,7 @@ nested objects and arrays) and only skip over scalars, so a span is always a who
 malformed document gives ``-1`` and the caller falls back to a full parse.
 
 * `skip_value` — the end of the value at ``i``;
-* `object_members` — ``(key_start, key_end, value_start, value_end)`` per member of an object
-  (key spans exclude the quotes);
-* `array_items` — ``(start, end)`` per item of an array;
+* `walk` — every value down to a depth, with its key, span and container, in one pass;
 * `member_numbers` — for an array of objects (chat's ``logprobs.content``), the number held by
   one key in each, copied into one flat JSON list that orjson reads at once.
 """
@@ -19,7 +17,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-__all__ = ["skip_value", "object_members", "array_items", "member_numbers", "u8"]
+__all__ = ["skip_value", "walk", "member_numbers", "u8"]
 
 _QUOTE, _BSLASH, _LB, _RB, _LC, _RC, _COMMA, _COLON = 34, 92, 91, 93, 123, 125, 44, 58
 
@@ -92,77 +90,87 @@ def skip_value(buf: np.ndarray, i: int) -> int:
     return -1
 
 
+#: Columns of `walk`'s rows.
+PARENT, DEPTH, KEY_START, KEY_END, VALUE_START, VALUE_END, INDEX = range(7)
+_OBJ, _ARR = 0, 1
+
+
 @nb.njit(cache=True, nogil=True)
-def object_members(buf: np.ndarray, i: int) -> np.ndarray:
-    """Rows ``(key_start, key_end, value_start, value_end)`` of the object at ``buf[i]``; a
-    single row of -1 if it is not an object."""
-    bad = np.full((1, 4), -1, dtype=np.int64)
+def walk(buf: np.ndarray, max_depth: int, max_array_depth: int) -> np.ndarray:
+    """Every value of the document at ``buf[0]`` down to ``max_depth``, in one pass.
+
+    One row per value (columns ``PARENT`` … ``INDEX``): the row of its container (-1 for the
+    root), its depth (root 0), its key's span without quotes (-1 in an array), its own span, and
+    its position in its container. Objects deeper than ``max_depth`` and arrays deeper than
+    ``max_array_depth`` are skipped whole (their items get no rows).
+    Returns an empty array when the bytes are not one JSON object."""
+    bad = np.empty((0, 7), dtype=np.int64)
     n = buf.shape[0]
+    i = _ws(buf, 0)
     if i >= n or buf[i] != _LC:
         return bad
-    rows = np.empty((16, 4), dtype=np.int64)
-    r = 0
+    rows = np.empty((64, 7), dtype=np.int64)
+    rows[0, 0], rows[0, 1], rows[0, 2], rows[0, 3] = -1, 0, -1, -1
+    rows[0, 4], rows[0, 5], rows[0, 6] = i, -1, 0
+    r = 1
+    st_row = np.empty(max_depth + 2, dtype=np.int64)
+    st_kind = np.empty(max_depth + 2, dtype=np.int64)
+    st_count = np.empty(max_depth + 2, dtype=np.int64)
+    st_row[0], st_kind[0], st_count[0] = 0, _OBJ, 0
+    sp = 1
     i = _ws(buf, i + 1)
-    if i < n and buf[i] == _RC:
-        return rows[:0]
-    while True:
-        if i >= n or buf[i] != _QUOTE:
+    while sp > 0:
+        if i >= n:
             return bad
-        k_end = _string_end(buf, i)
-        if k_end < 0:
-            return bad
-        j = _ws(buf, k_end)
-        if j >= n or buf[j] != _COLON:
-            return bad
-        v = _ws(buf, j + 1)
+        c = buf[i]
+        kind = st_kind[sp - 1]
+        if (kind == _OBJ and c == _RC) or (kind == _ARR and c == _RB):
+            rows[st_row[sp - 1], 5] = i + 1
+            sp -= 1
+            i = _ws(buf, i + 1)
+            if sp == 0:
+                return rows[:r] if i == n else bad
+            if i < n and buf[i] == _COMMA:
+                i = _ws(buf, i + 1)
+            continue
+        ks = ke = -1
+        v = i
+        if kind == _OBJ:
+            if c != _QUOTE:
+                return bad
+            k_end = _string_end(buf, i)
+            if k_end < 0:
+                return bad
+            ks, ke = i + 1, k_end - 1
+            j = _ws(buf, k_end)
+            if j >= n or buf[j] != _COLON:
+                return bad
+            v = _ws(buf, j + 1)
+        if r == rows.shape[0]:
+            bigger = np.empty((2 * r, 7), dtype=np.int64)
+            bigger[:r] = rows
+            rows = bigger
+        row = r
+        r += 1
+        rows[row, 0], rows[row, 1], rows[row, 2], rows[row, 3] = st_row[sp - 1], sp, ks, ke
+        rows[row, 4], rows[row, 5], rows[row, 6] = v, -1, st_count[sp - 1]
+        st_count[sp - 1] += 1
+        d = buf[v] if v < n else 0
+        if (d == _LC and sp < max_depth) or (d == _LB and sp < max_array_depth):
+            st_row[sp], st_kind[sp], st_count[sp] = row, _OBJ if d == _LC else _ARR, 0
+            sp += 1
+            i = _ws(buf, v + 1)
+            continue
         e = skip_value(buf, v)
         if e < 0:
             return bad
-        if r == rows.shape[0]:
-            bigger = np.empty((2 * r, 4), dtype=np.int64)
-            bigger[:r] = rows
-            rows = bigger
-        rows[r, 0], rows[r, 1], rows[r, 2], rows[r, 3] = i + 1, k_end - 1, v, e
-        r += 1
+        rows[row, 5] = e
         i = _ws(buf, e)
         if i < n and buf[i] == _COMMA:
             i = _ws(buf, i + 1)
-        elif i < n and buf[i] == _RC:
-            return rows[:r]
-        else:
+        elif i >= n or (buf[i] != _RC and buf[i] != _RB):
             return bad
-
-
-@nb.njit(cache=True, nogil=True)
-def array_items(buf: np.ndarray, i: int) -> np.ndarray:
-    """Rows ``(start, end)`` of the items of the array at ``buf[i]``; one row of -1 if it is
-    not an array."""
-    bad = np.full((1, 2), -1, dtype=np.int64)
-    n = buf.shape[0]
-    if i >= n or buf[i] != _LB:
-        return bad
-    rows = np.empty((16, 2), dtype=np.int64)
-    r = 0
-    i = _ws(buf, i + 1)
-    if i < n and buf[i] == _RB:
-        return rows[:0]
-    while True:
-        e = skip_value(buf, i)
-        if e < 0:
-            return bad
-        if r == rows.shape[0]:
-            bigger = np.empty((2 * r, 2), dtype=np.int64)
-            bigger[:r] = rows
-            rows = bigger
-        rows[r, 0], rows[r, 1] = i, e
-        r += 1
-        i = _ws(buf, e)
-        if i < n and buf[i] == _COMMA:
-            i = _ws(buf, i + 1)
-        elif i < n and buf[i] == _RB:
-            return rows[:r]
-        else:
-            return bad
+    return bad
 
 
 @nb.njit(cache=True, nogil=True)

@@ -32,7 +32,8 @@ import numpy as np
 import orjson
 
 from timwatch.monitor.core.errors import NotFast, WireError
-from timwatch.sidecar.proxy.jsonspan import array_items, member_numbers, object_members, u8
+from timwatch.sidecar.proxy.jsonspan import member_numbers, u8, walk
+from timwatch.sidecar.proxy.scan import scan_ints
 
 __all__ = [
     "KINDS",
@@ -137,21 +138,44 @@ def plan_request(kind: str, body: Any) -> VllmPlan | None:
     )
 
 
-def _members(arr: np.ndarray, rows: np.ndarray, buf: bytes) -> dict[bytes, tuple[int, int]]:
-    if rows.shape[0] == 1 and rows[0, 0] < 0:
-        raise NotFast("not a JSON object")
-    return {buf[k0:k1]: (v0, v1) for k0, k1, v0, v1 in rows.tolist()}
+class _Tree:
+    """`jsonspan.walk`'s rows as lookups: members by container row and key, items in order."""
+
+    def __init__(self, buf: bytes, arr: np.ndarray) -> None:
+        rows = walk(arr, 4, 2)  # down to choices[i].logprobs' members
+        if rows.shape[0] == 0:
+            raise NotFast("not one JSON object")
+        self.buf = buf
+        self.spans: list[tuple[int, int]] = []
+        self.members: dict[tuple[int, bytes], int] = {}
+        self.items: dict[int, list[int]] = {}
+        for r, (parent, _d, ks, ke, vs, ve, _i) in enumerate(rows.tolist()):
+            self.spans.append((vs, ve))
+            if ks >= 0:
+                self.members[(parent, buf[ks:ke])] = r
+            elif parent >= 0:
+                self.items.setdefault(parent, []).append(r)
+
+    def get(self, row: int, key: bytes) -> tuple[int, int] | None:
+        r = self.members.get((row, key))
+        return None if r is None else self.spans[r]
+
+    def row(self, row: int, key: bytes) -> int | None:
+        return self.members.get((row, key))
 
 
-def _ints(buf: bytes, span: tuple[int, int], where: str) -> np.ndarray:
+def _ints(buf: bytes, arr: np.ndarray, span: tuple[int, int], where: str) -> np.ndarray:
+    count, end, values = scan_ints(arr, span[0])
+    if count >= 0 and end == span[1]:
+        return values.copy()
     try:
-        values = orjson.loads(buf[span[0] : span[1]])
+        obj = orjson.loads(buf[span[0] : span[1]])
     except orjson.JSONDecodeError:
         raise WireError(f"{where}: not JSON") from None
-    if not isinstance(values, list):
+    if not isinstance(obj, list):
         raise WireError(f"{where}: expected a list of token ids (send return_token_ids: true)")
     try:
-        return np.array(values, dtype=np.int64)
+        return np.array(obj, dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
         raise WireError(f"{where}: token ids must be ints") from None
 
@@ -168,16 +192,14 @@ def _floats(text: bytes, where: str) -> np.ndarray:
     return out
 
 
-def _logps(buf: bytes, arr: np.ndarray, span: tuple[int, int], kind: str, where: str) -> np.ndarray:
-    if buf[span[0] : span[1]] == b"null":
-        raise WireError(f"{where}: missing (log-probs not returned)")
-    lp = _members(arr, object_members(arr, span[0]), buf)
+def _logps(tree: _Tree, arr: np.ndarray, lp_row: int, kind: str, where: str) -> np.ndarray:
+    buf = tree.buf
     if kind == "completions":
-        got = lp.get(b"token_logprobs")
+        got = tree.get(lp_row, b"token_logprobs")
         if got is None:
             raise WireError(f"{where}.token_logprobs: missing")
         return _floats(buf[got[0] : got[1]], f"{where}.token_logprobs")
-    got = lp.get(b"content")
+    got = tree.get(lp_row, b"content")
     if got is None:
         raise WireError(f"{where}.content: missing")
     if buf[got[0] : got[1]] == b"null":
@@ -207,41 +229,35 @@ def edit_answer(
     an empty ``delta`` and no finish reason exists only because of the added fields (vLLM
     skips it otherwise): its parts are marked ``bare`` and the relay drops the frame.
     ``parts`` holds each choice's ids and log-probs (with ``read``); ``top`` the answer's small
-    top-level values (``id``,
-    ``request_id``, weight versions). Raises `NotFast` when ``buf`` is not one JSON object
+    top-level values (``id``, ``request_id``, weight versions). Raises `NotFast` when ``buf`` is not one JSON object
     with a ``choices`` list, `WireError` when a choice lacks what was asked for."""
     arr = u8(buf)
-    top_rows = object_members(arr, 0)
-    top = _members(arr, top_rows, buf)
+    tree = _Tree(buf, arr)
     cuts: list[tuple[int, int]] = []
-    if plan.cut_ids and (span := top.get(b"prompt_token_ids")) is not None:
+    if plan.cut_ids and (span := tree.get(0, b"prompt_token_ids")) is not None:
         cuts.append(span)
     info: dict[str, Any] = {}
     for key in (b"id", b"request_id", b"weight_version", b"weight_versions"):
-        if key in top:
-            info[key.decode()] = _small(buf, top[key])
+        if (span := tree.get(0, key)) is not None:
+            info[key.decode()] = _small(buf, span)
     prompt_top = None
-    if read and plan.kind == "chat" and (span := top.get(b"prompt_token_ids")) is not None:
+    if read and plan.kind == "chat" and (span := tree.get(0, b"prompt_token_ids")) is not None:
         if buf[span[0] : span[1]] != b"null":
-            prompt_top = _ints(buf, span, "prompt_token_ids")
+            prompt_top = _ints(buf, arr, span, "prompt_token_ids")
             info["prompt_token_ids"] = prompt_top
-    choices = top.get(b"choices")
-    if choices is None:
-        raise NotFast("no choices")
-    items = array_items(arr, choices[0])
-    if items.shape[0] == 1 and items[0, 0] < 0:
-        raise NotFast("choices is not a list")
+    choices = tree.row(0, b"choices")
+    if choices is None or buf[tree.spans[choices][0]] != 0x5B:
+        raise NotFast("no choices list")
     parts: list[ChoicePart] = []
-    for c, (lo, _hi) in enumerate(items.tolist()):
-        ch = _members(arr, object_members(arr, lo), buf)
+    for c, ch in enumerate(tree.items.get(choices, [])):
         for key, cut in ((b"logprobs", plan.cut_logprobs), (b"token_ids", plan.cut_ids)):
-            if cut and key in ch:
-                cuts.append(ch[key])
-        if plan.cut_ids and (span := ch.get(b"prompt_token_ids")) is not None:
+            if cut and (span := tree.get(ch, key)) is not None:
+                cuts.append(span)
+        if plan.cut_ids and (span := tree.get(ch, b"prompt_token_ids")) is not None:
             cuts.append(span)
-        finish = _small(buf, ch.get(b"finish_reason"))
-        delta = ch.get(b"delta")
-        bare = (
+        finish = _small(buf, tree.get(ch, b"finish_reason"))
+        delta = tree.get(ch, b"delta")
+        bare = bool(
             plan.cut_logprobs
             and plan.cut_ids
             and finish is None
@@ -253,9 +269,10 @@ def edit_answer(
                 parts.append(ChoicePart(0, np.zeros(0, np.int64), np.zeros(0), None, bare=True))
             continue
         where = f"choices[{c}]"
-        index = _small(buf, ch.get(b"index"))
-        ids_span = ch.get(b"token_ids")
-        lp_span = ch.get(b"logprobs")
+        index = _small(buf, tree.get(ch, b"index"))
+        ids_span = tree.get(ch, b"token_ids")
+        lp_row = tree.row(ch, b"logprobs")
+        lp_span = None if lp_row is None else tree.spans[lp_row]
         no_ids = ids_span is None or buf[ids_span[0] : ids_span[1]] == b"null"
         no_lp = lp_span is None or buf[lp_span[0] : lp_span[1]] == b"null"
         if no_ids and no_lp and plan.stream and finish is None:
@@ -264,19 +281,21 @@ def edit_answer(
             continue  # a stream's role-only or empty chunk
         if no_ids or ids_span is None:
             raise WireError(f"{where}.token_ids: missing (send return_token_ids: true)")
-        ids = _ints(buf, ids_span, f"{where}.token_ids")
-        if lp_span is None:
+        ids = _ints(buf, arr, ids_span, f"{where}.token_ids")
+        if lp_row is None:
             raise WireError(f"{where}.logprobs: missing")
-        if ids.size == 0 and no_lp:
+        if no_lp:
+            if ids.size:
+                raise WireError(f"{where}.logprobs: missing (log-probs not returned)")
             logps = np.zeros(0)
         else:
-            logps = _logps(buf, arr, lp_span, plan.kind, f"{where}.logprobs")
+            logps = _logps(tree, arr, lp_row, plan.kind, f"{where}.logprobs")
         if logps.shape != ids.shape:
             raise WireError(f"{where}.logprobs: {logps.size} log-probs for {ids.size} token ids")
         prompt = prompt_top
-        if plan.kind == "completions" and (span := ch.get(b"prompt_token_ids")) is not None:
+        if plan.kind == "completions" and (span := tree.get(ch, b"prompt_token_ids")) is not None:
             if buf[span[0] : span[1]] != b"null":
-                prompt = _ints(buf, span, f"{where}.prompt_token_ids")
+                prompt = _ints(buf, arr, span, f"{where}.prompt_token_ids")
         parts.append(
             ChoicePart(
                 index=index if isinstance(index, int) else c,
@@ -284,8 +303,8 @@ def edit_answer(
                 logps=logps,
                 finish_reason=None if finish is None else str(finish),
                 prompt=prompt,
-                spans=_small(buf, ch.get(b"weight_versions")),
-                version=_version(_small(buf, ch.get(b"weight_version"))),
+                spans=_small(buf, tree.get(ch, b"weight_versions")),
+                version=_version(_small(buf, tree.get(ch, b"weight_version"))),
                 bare=bare,
             )
         )
