@@ -35,6 +35,10 @@ if [ ! -x .venv-fuzz/bin/st ] || ! grep -qx "$SCHEMATHESIS_PIN" .venv-fuzz/pinne
   echo "$SCHEMATHESIS_PIN" > .venv-fuzz/pinned
 fi
 export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
+# the real-engine tier's vLLM (CPU build) in its own venv outside the clone, reused while its pin
+# file matches (~2 min and 3.4 GB when it is not cached)
+TIMWATCH_VLLM_PYTHON="$(bash .ci/vllm-venv.sh | tail -n1)"
+export TIMWATCH_VLLM_PYTHON TIMWATCH_REQUIRE_VLLM=1
 
 if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
   # a fresh cluster in a new directory for this run, stopped and removed when the script exits
@@ -55,4 +59,8 @@ export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 .venv/bin/mypy  # the packages of [tool.mypy]: timwatch, with its linked sub-packages
 # two workers (a test file stays on one worker, so its module fixtures are shared): most tests
 # wait on subprocesses, Prometheus or PostgreSQL, and one worker leaves a core idle
-.venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" --dist loadfile "$@"
+.venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" --dist loadfile \
+  -m "not vllm" "$@"
+# the real-engine tier (tests/engine) after the rest, on one worker: one vLLM server at a time
+# (exit 5: the arguments selected none of its tests)
+.venv/bin/python -m pytest -p no:cacheprovider -n 0 -m vllm "$@" || [ $? -eq 5 ]
