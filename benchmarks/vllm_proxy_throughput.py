@@ -50,7 +50,7 @@ def body(kind: str, tokens: int, stream: bool) -> dict:
     return out
 
 
-def profile(tokens: int) -> None:
+def profile(tokens: int, rounds: int = 200) -> None:
     """Where the proxy's time goes for one non-streamed completions answer (in process)."""
     import cProfile
     import pstats
@@ -76,9 +76,8 @@ def profile(tokens: int) -> None:
         plan = plan_request(kind, body(kind, tokens, False))
         assert plan is not None
         answer = standin.answer(standin.Req(kind, plan.body, b"bench", False))
-        rounds = 200
 
-        def run(plan=plan, answer=answer) -> None:  # type: ignore[no-untyped-def]
+        def run(plan=plan, answer=answer) -> None:  # type: ignore[no-untyped-def]  # noqa: B023
             for _ in range(rounds):
                 _, capture = answer_parts(cap, plan, answer)
                 assert capture is not None

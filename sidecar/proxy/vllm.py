@@ -12,7 +12,8 @@ Records carry the request's sampling parameters and the engine's log-prob mode
 (``--logprobs-mode``, vLLM's default ``raw_logprobs``); samples whose μ is not the sampling
 distribution are counted as a sampling-side mismatch (`proxy.vllm_capture`).
 
-Debug endpoints as on the SGLang proxy: ``/timwatch/records``, ``/timwatch/counters``,
+Debug endpoints as on the SGLang proxy: ``/timwatch/records`` (a -inf log-prob is null
+there), ``/timwatch/counters``,
 ``/timwatch/healthz``, plus ``/timwatch/metrics`` (Prometheus text: the counters).
 Trainer reports are installed on top by `proxy.join_http.install_join`.
 """
@@ -20,6 +21,7 @@ Trainer reports are installed on top by `proxy.join_http.install_join`.
 from __future__ import annotations
 
 import gc
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -27,7 +29,7 @@ import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
@@ -40,7 +42,6 @@ from timwatch.sidecar.proxy.sglang import (
     _generate_headers,
     _healthz,
     _passthrough,
-    _records,
     _relay,
     _run_now,
     _upstream_error,
@@ -127,6 +128,20 @@ async def _endpoint(request: Request) -> Response:
     )
 
 
+async def _records_finite(request: Request) -> Response:
+    """`/timwatch/records`, with a log-prob of -inf (a token the engine gave probability 0)
+    listed as null: JSON has no infinity."""
+    state: ProxyState = request.app.state.proxy
+    records = []
+    for rec in state.capture.snapshot():
+        d = rec.to_dict()
+        d["logp"] = [None if x == -math.inf else x for x in d["logp"]]
+        records.append(d)
+    return JSONResponse(
+        {"records": records, "capture": state.capture.counters.to_dict(), "proxy": state.counters}
+    )
+
+
 async def _metrics(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
     lines = []
@@ -200,7 +215,7 @@ def create_app(
             state.client = state.generate_upstream = None
 
     routes = [
-        Route("/timwatch/records", _records, methods=["GET"]),
+        Route("/timwatch/records", _records_finite, methods=["GET"]),
         Route("/timwatch/counters", _counters, methods=["GET"]),
         Route("/timwatch/metrics", _metrics, methods=["GET"]),
         Route("/timwatch/healthz", _healthz, methods=["GET"]),

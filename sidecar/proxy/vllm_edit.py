@@ -229,8 +229,9 @@ def edit_answer(
     an empty ``delta`` and no finish reason exists only because of the added fields (vLLM
     skips it otherwise): its parts are marked ``bare`` and the relay drops the frame.
     ``parts`` holds each choice's ids and log-probs (with ``read``); ``top`` the answer's small
-    top-level values (``id``, ``request_id``, weight versions). Raises `NotFast` when ``buf`` is not one JSON object
-    with a ``choices`` list, `WireError` when a choice lacks what was asked for."""
+    top-level values (``id``, ``request_id``, weight versions). Raises `NotFast` when ``buf``
+    is not one JSON object with a ``choices`` list, `WireError` when a choice lacks what was
+    asked for."""
     arr = u8(buf)
     tree = _Tree(buf, arr)
     cuts: list[tuple[int, int]] = []
@@ -325,9 +326,12 @@ def edit_answer(
 
 def warm_up() -> None:
     """Run every compiled walk once (numba compiles, or loads its cache, on first use)."""
-    for kind, body in (("completions", {}), ("chat", {}), ("generate", {"token_ids": []})):
-        if kind == "generate":
-            body["sampling_params"] = {}
+    bodies: dict[str, dict[str, Any]] = {
+        "completions": {},
+        "chat": {},
+        "generate": {"token_ids": [], "sampling_params": {}},
+    }
+    for kind, body in bodies.items():
         plan = plan_request(kind, body)
         assert plan is not None
         lp = (
