@@ -80,6 +80,7 @@ class Batch:
     policy_version: int | None = None
     entropy_source: str = "trainer"
     nonfinite_tokens: int = 0
+    impossible_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -275,6 +276,19 @@ def _check_cu(cu: np.ndarray, n: int) -> None:
         )
 
 
+def _impossible(mu: np.ndarray, pi: np.ndarray, mask: np.ndarray) -> tuple[int, np.ndarray | None]:
+    """Positions where exactly one side gives the token probability 0 (a log-prob of -inf, the
+    other finite): δ = ±∞, no ratio exists. They are taken out of the loss mask and out of
+    every metric, not refused; the count is of those the batch had kept (``loss_mask`` = 1).
+    Returns ``(count, positions)``, positions None when there are none."""
+    if np.isfinite(mu).all() and np.isfinite(pi).all():
+        return 0, None
+    one = (np.isneginf(mu) & np.isfinite(pi)) | (np.isneginf(pi) & np.isfinite(mu))
+    if not one.any():
+        return 0, None
+    return int(np.count_nonzero(one & (mask != 0))), one
+
+
 def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: str) -> Batch:
     for name in REQUIRED_FIELDS:
         if name not in arrays:
@@ -298,12 +312,18 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
         if bad.any():
             i = first(bad)
             raise BatchError("loss_mask", f"loss_mask[{i}] = {mask[i]} is not 0 or 1", i)
-    mask = mask.astype(np.uint8, copy=nonfinite == "drop")
     floats = {
         name: arrays[name] if arrays[name].dtype.kind == "f" else arrays[name].astype(np.float64)
         for name in FLOAT_FIELDS
         if name in arrays
     }
+    impossible, one_sided = _impossible(floats["logp_rollout"], floats["logp_train"], mask)
+    mask = mask.astype(np.uint8, copy=nonfinite == "drop" or one_sided is not None)
+    if one_sided is not None:
+        mask[one_sided] = 0
+        for name in ("logp_rollout", "logp_train"):
+            v = floats[name]
+            floats[name] = np.where(one_sided, 0.0, v).astype(v.dtype)
     dropped = 0
     if nonfinite == "drop":
         bad_any = np.zeros(n, dtype=bool)
@@ -332,6 +352,7 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
         cu_seqlens=cu,
         loss_mask=mask,
         nonfinite_tokens=dropped,
+        impossible_tokens=impossible,
         **floats,  # type: ignore[arg-type]
         **ints,  # type: ignore[arg-type]
         **meta,
