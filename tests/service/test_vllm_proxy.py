@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.helpers.procs import REPO, vllm_proxy_process, vllm_standin_process
+from tests.helpers.procs import REPO, ServerProc, vllm_proxy_process, vllm_standin_process
 from timwatch.monitor.core.errors import NotFast, WireError
 from timwatch.sidecar.proxy.jsonspan import skip_value, u8, walk
 from timwatch.sidecar.proxy.vllm_edit import edit_answer, plan_request, truncates
@@ -141,6 +144,49 @@ def test_other_paths_and_errors_pass_through(upstream: str, proxy: str) -> None:
     )
     after = httpx.get(f"{proxy}/timwatch/counters", timeout=10).json()["proxy"]
     assert after["uncaptured_requests"] == before["uncaptured_requests"] + 1
+
+
+def test_joined_batch_reaches_the_monitor_with_its_impossible_token(
+    upstream: str, server: ServerProc
+) -> None:
+    """μ of -9999 (vLLM's -inf) joined with the trainer's π reaches `timwatch serve` as an
+    impossible token: counted in the step and the exposition, left out of the metrics."""
+    with vllm_proxy_process(upstream, "--monitor", server.url, "--run", "vllm-join") as proxy:
+        body = _body("completions", False, False)
+        _post(proxy, "completions", body, "join")
+        ids, logps = _expected(TOKENS)
+        pi = [(-0.5 if lp == -math.inf else lp - 0.01) for lp in logps]
+        report = {
+            "step": 3,
+            "samples": [{"rid": "cmpl-join", "logp_train": pi, "entropy": [1.0] * TOKENS}],
+        }
+        answer = httpx.post(f"{proxy}/timwatch/v1/trainer_reports", json=report, timeout=30)
+        assert answer.status_code == 200, answer.text
+        for _ in range(100):  # the tap ships from its own thread
+            got = httpx.get(f"{server.url}/v1/runs/vllm-join/steps/3", timeout=10)
+            if got.status_code == 200:
+                break
+            time.sleep(0.1)
+        join = httpx.get(f"{proxy}/timwatch/v1/join", timeout=10).text
+        assert got.status_code == 200, (join, server.output()[-3000:])
+        row = got.json()["row"]
+    assert row["impossible_tokens"] == 1, {k: row[k] for k in ("tokens", "nonfinite_tokens")}
+    assert row["tokens"] == TOKENS - 1
+    d = -0.01  # every possible token has δ = π − μ = -0.01
+    assert row["mismatch_kl"] == pytest.approx(math.exp(d) - 1 - d, rel=1e-6)
+    exposition = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'timwatch_impossible_tokens_total{run="vllm-join"} 1.0' in exposition
+
+
+def test_sidecar_metrics_pass_promtool(upstream: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (scripts/test.sh installs it)")
+    with vllm_proxy_process(upstream) as proxy:
+        _post(proxy, "completions", _body("completions", False, False, top_k=5), "p")
+        text = httpx.get(f"{proxy}/timwatch/metrics", timeout=10).text
+    res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 # ------------------------------------------------------------------ in process

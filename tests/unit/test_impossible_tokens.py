@@ -96,3 +96,31 @@ def test_engine_matches_reference_with_impossible_tokens() -> None:
         ref, sc = reference(arrays, policy_version=raw.policy_version)
         assert got["impossible_tokens"] == len(pick) == ref["impossible_tokens"]
         check_row(got, ref, sc)
+
+
+def test_forwarded_batches_keep_their_impossible_tokens() -> None:
+    """The tap validates a batch and ships its arrays: the -inf and the loss_mask of each
+    impossible token go back on the wire, so the monitor counts what the tap counted."""
+    from timwatch.sidecar.tap.wire import encode
+
+    batch = Batch.from_arrays(
+        cu_seqlens=np.array([0, 5]),
+        logp_rollout=np.array([-1.0, -INF, -0.5, -INF, -0.2]),
+        logp_train=np.array([-1.1, -0.4, -INF, -0.3, -0.2]),
+        entropy=np.full(5, 0.3),
+        loss_mask=np.array([1, 1, 1, 0, 1], dtype=np.uint8),
+    )
+    assert batch.impossible_tokens == 2
+    assert np.asarray(batch.loss_mask).tolist() == [1, 0, 0, 0, 1]
+    wire = batch.wire_arrays()
+    assert wire["logp_rollout"].tolist() == [-1.0, -INF, -0.5, -INF, -0.2]
+    assert wire["logp_train"].tolist() == [-1.1, -0.4, -INF, -0.3, -0.2]
+    assert wire["loss_mask"].tolist() == [1, 1, 1, 0, 1]
+    again = Batch.from_safetensors(batch.to_safetensors())
+    assert again.impossible_tokens == 2
+    body, size = encode(batch, "b-1")
+    shipped = Batch.from_safetensors(b"".join(bytes(part) for part in body))
+    assert len(b"".join(bytes(part) for part in body)) == size
+    assert shipped.impossible_tokens == 2
+    row = derive_row(accumulate(shipped)).to_dict()
+    assert row["tokens"] == 2 and row["impossible_tokens"] == 2
