@@ -187,6 +187,9 @@ class RolloutRecord:
     ``versions`` holds the engine's weight-version label per output token (SGLang reports
     strings, e.g. ``"default"`` or ``"step-12"``); `versions_as_int` converts them for the
     packed batch. ``finish_reason`` is the engine's type (``stop``, ``length``, ``abort``).
+    ``sampling`` holds the request's sampling parameters as sent (vLLM proxy: ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``seed``; None when unknown) and ``logprobs_mode`` the
+    engine's log-prob mode (``raw_logprobs`` or ``processed_logprobs``; None when unknown).
     """
 
     rid: str
