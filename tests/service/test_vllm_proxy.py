@@ -269,3 +269,15 @@ def test_edit_keeps_everything_but_the_added_members() -> None:
     (part,) = parts
     assert part.ids.tolist() == _expected(30)[0]
     np.testing.assert_array_equal(part.logps, np.array(_expected(30)[1]))
+
+
+def test_a_logits_mode_is_refused_at_the_command_line() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "timwatch", "sidecar", "vllm", "--upstream", "http://127.0.0.1:9"]
+        + ["--logprobs-mode", "raw_logits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2
+    assert "--logprobs-mode must be one of raw_logprobs, processed_logprobs" in res.stderr
