@@ -23,6 +23,7 @@ import pytest
 from tests.helpers.procs import vllm_proxy_process
 from tests.helpers.vllm import VllmServer, vllm_server
 
+pytestmark = pytest.mark.timeout(1200)  # one vLLM start on a busy 2-core machine
 # the tiny tokenizer has no chat template of its own
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 PATHS = {
