@@ -5,10 +5,10 @@ directly for the same request (``created`` seconds aside, which vLLM makes per c
 completions, chat and ``/inference/v1/generate``, streamed and not (a stream byte for byte
 when vLLM cut both into the same chunks, else its text and frame shapes without the cuts: vLLM
 coalesces tokens made between two sends, which differs between two direct calls too), whether
-or not the client asked for log-probs and token ids itself. The captured samples of the streamed and the
-non-streamed call of one seeded request are identical, token ids round-trip, weight versions set
-with ``/update_weight_version`` appear per token, and a request sampling at temperature ≠ 1 from
-an engine in raw log-prob mode is counted as a sampling-side mismatch.
+or not the client asked for log-probs and token ids itself. The captured samples of the
+streamed and the non-streamed call of one seeded request are identical, token ids round-trip,
+weight versions set with ``/update_weight_version`` appear per token, and a request sampling at
+temperature ≠ 1 from an engine in raw log-prob mode is counted as a sampling-side mismatch.
 """
 
 from __future__ import annotations
