@@ -95,12 +95,15 @@ async def _conn(port: int, request: bytes, until: float, lat: list[float], warm:
         writer.close()
 
 
-def _load(port: int, body: dict, conc: int, seconds: float) -> tuple[float, float]:
+def _load(
+    port: int, body: dict, conc: int, seconds: float, path: str = "/generate"
+) -> tuple[float, float]:
     """(requests/s, p50 latency ms) with ``conc`` connections for ``seconds`` after 1 s warmup."""
     payload = orjson.dumps(body)
     request = (
-        b"POST /generate HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n" % len(payload) + payload
+        b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n" % path.encode()
+        + b"content-length: %d\r\n\r\n" % len(payload)
+        + payload
     )
     lat: list[float] = []
 

@@ -113,3 +113,77 @@ def sglang(
         + (f" · monitor {monitor} (run {run!r})" if monitor else " · capture only (no --monitor)")
     )
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+@sidecar_app.command("vllm")
+def vllm(
+    upstream: str = typer.Option(
+        ..., "--upstream", help="vLLM OpenAI-compatible server URL, e.g. http://h:8000"
+    ),
+    listen: str = typer.Option("127.0.0.1:8010", "--listen", help="HOST:PORT to serve on"),
+    monitor: str | None = typer.Option(
+        None, "--monitor", help="timwatch service URL: enables trainer reports"
+    ),
+    run: str = typer.Option("default", "--run", help="Run for joined batches"),
+    token: str | None = typer.Option(
+        None,
+        "--token",
+        envvar="TIMWATCH_TOKEN",
+        help="The monitor's bearer token for writes",
+        show_default=False,
+    ),
+    logprobs_mode: str = typer.Option(
+        "raw_logprobs",
+        "--logprobs-mode",
+        help="The engine's --logprobs-mode: raw_logprobs (vLLM's default) or processed_logprobs",
+    ),
+    timeout_s: float | None = typer.Option(
+        None, "--timeout", help="Upstream timeout in seconds (default: wait as long as clients)"
+    ),
+    ttl_s: float = typer.Option(900.0, "--ttl", help="Seconds an unjoined record is kept"),
+    max_held_bytes: int = typer.Option(
+        2 << 30,
+        "--max-held-bytes",
+        min=1,
+        help="Bytes of unjoined records held at most; the oldest are dropped first (counted)",
+    ),
+    report_ttl_s: float = typer.Option(
+        60.0, "--report-ttl", help="Seconds a trainer report waits for its rollout records"
+    ),
+) -> None:
+    """Reverse proxy in front of vLLM that captures μ, ids, versions and sampling parameters.
+
+    Captures /v1/completions, /v1/chat/completions and /inference/v1/generate, streamed or not;
+    clients get vLLM's own bytes for their request. With --monitor it also accepts trainer
+    reports on POST /timwatch/v1/trainer_reports (joined batches go to run --run).
+    """
+    import uvicorn
+
+    from timwatch.monitor.core.runid import check_run_id
+    from timwatch.sidecar.proxy.join_http import install_join
+    from timwatch.sidecar.proxy.vllm import LOGPROBS_MODES, create_app
+
+    host, port = _split_listen(listen)
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise typer.BadParameter(
+            f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}"
+        )
+    reason = check_run_id(run)
+    if reason is not None:
+        raise typer.BadParameter(f"--run {run!r}: {reason}")
+    app = create_app(
+        upstream,
+        monitor=monitor,
+        logprobs_mode=logprobs_mode,
+        timeout_s=timeout_s,
+        ttl_s=ttl_s,
+        max_held_bytes=max_held_bytes,
+    )
+    if monitor:
+        install_join(app, monitor=monitor, run=run, token=token, report_ttl_s=report_ttl_s)
+    typer.echo(
+        f"timwatch sidecar listening on http://{host}:{port} → vLLM {upstream} "
+        f"({logprobs_mode})"
+        + (f" · monitor {monitor} (run {run!r})" if monitor else " · capture only (no --monitor)")
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -216,6 +216,14 @@ METRICS: dict[str, tuple[str, str]] = {
         ),
         "",
     ),
+    "impossible_tokens": (
+        (
+            "kept positions where one side gives the token probability 0 (one of "
+            "`logp_rollout`, `logp_train` is -inf, the other finite: δ = ±∞); taken out of "
+            "the loss mask and every other metric, counted here instead of refusing the batch"
+        ),
+        "",
+    ),
     "is_ratio_fraction_low": (
         "share of T with r < 1/C (C = `tis_c`); the high side is `mask_ratio.tis` "
         "(verl `rollout_is_ratio_fraction_low`)",

@@ -43,6 +43,7 @@ TOPICS: dict[str, tuple[str, ...]] = {
         "teacher_soft_ratio",
         "teacher_hard_ratio",
         "nonfinite_tokens",
+        "impossible_tokens",
     ),
 }
 

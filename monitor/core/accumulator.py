@@ -55,6 +55,7 @@ class Accumulator:
     params: PolicyParams = field(default_factory=PolicyParams)
     batches: int = 0
     nonfinite_tokens: int = 0
+    impossible_tokens: int = 0
     step: int = 0
     policy_version: int | None = None
     entropy_source: str | None = None
@@ -211,9 +212,9 @@ class Accumulator:
         minima = list(M.MINIMA)
         out.fext[minima] = np.minimum(self.fext[minima], other.fext[minima])
         for name in (
-            "batches", "nonfinite_tokens", "lag_tokens", "lag_sum", "version_seqs",
-            "switch_seqs", "tid_tokens", "tid_mismatch", "old_tokens", "old_sum_disc",
-            "old_sum_stale", "teacher_tokens", "teacher_soft", "teacher_hard",
+            "batches", "nonfinite_tokens", "impossible_tokens", "lag_tokens", "lag_sum",
+            "version_seqs", "switch_seqs", "tid_tokens", "tid_mismatch", "old_tokens",
+            "old_sum_disc", "old_sum_stale", "teacher_tokens", "teacher_soft", "teacher_hard",
         ):  # fmt: skip
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.step = max(self.step, other.step)

@@ -80,6 +80,12 @@ class Batch:
     policy_version: int | None = None
     entropy_source: str = "trainer"
     nonfinite_tokens: int = 0
+    impossible_tokens: int = 0
+    #: positions of impossible tokens, the side that was -inf there (0: ``logp_rollout``,
+    #: 1: ``logp_train``) and their loss_mask on the wire; `wire_arrays` puts them back
+    impossible_at: npt.NDArray[np.int64] | None = None
+    impossible_side: npt.NDArray[np.uint8] | None = None
+    impossible_mask: npt.NDArray[np.uint8] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +102,23 @@ class Batch:
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        return out
+
+    def wire_arrays(self) -> dict[str, np.ndarray]:
+        """`arrays` as the batch came in: impossible tokens get their -inf and loss_mask back,
+        so a batch forwarded (the tap) is counted the same by the receiving monitor."""
+        out = self.arrays()
+        at = self.impossible_at
+        if at is None or self.impossible_side is None or self.impossible_mask is None:
+            return out
+        side = self.impossible_side.astype(bool)
+        for name, where in (("logp_rollout", ~side), ("logp_train", side)):
+            arr = out[name].copy()
+            arr[at[where]] = -np.inf
+            out[name] = arr
+        mask = out["loss_mask"].copy()
+        mask[at] = self.impossible_mask
+        out["loss_mask"] = mask
         return out
 
     def metadata(self) -> dict[str, Any]:
@@ -187,7 +210,7 @@ class Batch:
         from safetensors.numpy import save
 
         meta = {k: str(v) for k, v in self.metadata().items() if v is not None}
-        tensors = {name: np.ascontiguousarray(v) for name, v in self.arrays().items()}
+        tensors = {name: np.ascontiguousarray(v) for name, v in self.wire_arrays().items()}
         return save(tensors, metadata=meta)
 
 
@@ -275,6 +298,19 @@ def _check_cu(cu: np.ndarray, n: int) -> None:
         )
 
 
+def _impossible(mu: np.ndarray, pi: np.ndarray, mask: np.ndarray) -> tuple[int, np.ndarray | None]:
+    """Positions where exactly one side gives the token probability 0 (a log-prob of -inf, the
+    other finite): δ = ±∞, no ratio exists. They are taken out of the loss mask and out of
+    every metric, not refused; the count is of those the batch had kept (``loss_mask`` = 1).
+    Returns ``(count, positions)``, positions None when there are none."""
+    if np.isfinite(mu).all() and np.isfinite(pi).all():
+        return 0, None
+    one = (np.isneginf(mu) & np.isfinite(pi)) | (np.isneginf(pi) & np.isfinite(mu))
+    if not one.any():
+        return 0, None
+    return int(np.count_nonzero(one & (mask != 0))), one
+
+
 def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: str) -> Batch:
     for name in REQUIRED_FIELDS:
         if name not in arrays:
@@ -298,12 +334,25 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
         if bad.any():
             i = first(bad)
             raise BatchError("loss_mask", f"loss_mask[{i}] = {mask[i]} is not 0 or 1", i)
-    mask = mask.astype(np.uint8, copy=nonfinite == "drop")
     floats = {
         name: arrays[name] if arrays[name].dtype.kind == "f" else arrays[name].astype(np.float64)
         for name in FLOAT_FIELDS
         if name in arrays
     }
+    impossible, one_sided = _impossible(floats["logp_rollout"], floats["logp_train"], mask)
+    mask = mask.astype(np.uint8, copy=nonfinite == "drop" or one_sided is not None)
+    where: dict[str, Any] = {}
+    if one_sided is not None:
+        at = np.flatnonzero(one_sided).astype(np.int64)
+        where = {
+            "impossible_at": at,
+            "impossible_side": np.isneginf(floats["logp_train"][at]).astype(np.uint8),
+            "impossible_mask": mask[at].copy(),
+        }
+        mask[one_sided] = 0
+        for name in ("logp_rollout", "logp_train"):
+            v = floats[name]  # the -inf side reads 0 (masked out: no metric reads it)
+            floats[name] = np.where(one_sided & np.isneginf(v), 0.0, v).astype(v.dtype)
     dropped = 0
     if nonfinite == "drop":
         bad_any = np.zeros(n, dtype=bool)
@@ -332,6 +381,8 @@ def _validate(arrays: dict[str, np.ndarray], meta: dict[str, Any], nonfinite: st
         cu_seqlens=cu,
         loss_mask=mask,
         nonfinite_tokens=dropped,
+        impossible_tokens=impossible,
+        **where,
         **floats,  # type: ignore[arg-type]
         **ints,  # type: ignore[arg-type]
         **meta,

@@ -73,6 +73,7 @@ def accumulate(
     acc.policy_version = batch.policy_version
     acc.entropy_source = batch.entropy_source
     acc.nonfinite_tokens = batch.nonfinite_tokens
+    acc.impossible_tokens = batch.impossible_tokens
     score = np.concatenate([r[1] for r in results])
     index = np.concatenate([r[2] for r in results])
     best = np.lexsort((index, -score))[:TOP_K]

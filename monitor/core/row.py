@@ -67,6 +67,7 @@ class MetricRow:
     teacher_soft_ratio: float | None = None
     teacher_hard_ratio: float | None = None
     nonfinite_tokens: int = 0
+    impossible_tokens: int = 0
     is_ratio_fraction_low: float | None = None
     tis_weight_mean: float | None = None
     tis_weight_std: float | None = None
@@ -132,6 +133,7 @@ def derive_row(acc: Accumulator) -> MetricRow:
         tokens=n,
         sequences=acc.sequences,
         nonfinite_tokens=acc.nonfinite_tokens,
+        impossible_tokens=acc.impossible_tokens,
     )
     if n:
         rm1, rm1sq = s[F.rm1] / n, s[F.rm1sq] / n

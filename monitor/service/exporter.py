@@ -109,6 +109,12 @@ _COUNTERS = (
     ("timwatch_sequences", "Sequences with at least one masked token ingested.", "sequences"),
     ("timwatch_batches", "Batches ingested (replays not counted).", "batches"),
     (
+        "timwatch_impossible_tokens",
+        "Masked tokens one side gives probability 0 (log-prob -inf, the other finite): "
+        "delta = +-inf, left out of every metric.",
+        "impossible_tokens",
+    ),
+    (
         "timwatch_is_ratio_low_tokens",
         "Masked tokens whose IS ratio is below 1/C (C = the TIS bound).",
         "is_ratio_low_tokens",

@@ -76,7 +76,7 @@ VERL_COLUMNS = (
 )
 
 #: integer-valued metrics of a row
-COUNT_COLUMNS = ("tokens", "sequences", "nonfinite_tokens")
+COUNT_COLUMNS = ("tokens", "sequences", "nonfinite_tokens", "impossible_tokens")
 #: float-valued scalar metrics of a row (docs/reference/metrics.md), then the flattened per-policy
 # ratios
 FLOAT_COLUMNS = (

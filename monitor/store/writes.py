@@ -176,6 +176,12 @@ def write_batch_events(conn: Connection, run: str, step: int, ts: float, acc: An
             ("nonfinite_dropped", f"{acc.nonfinite_tokens} non-finite tokens dropped",
              {"tokens": acc.nonfinite_tokens})
         )  # fmt: skip
+    if acc.impossible_tokens:
+        events.append(
+            ("impossible_tokens",
+             f"{acc.impossible_tokens} tokens one side gives probability 0 (δ = ±∞), left out",
+             {"tokens": acc.impossible_tokens})
+        )  # fmt: skip
     for kind, message, data in events:
         conn.execute(
             insert(_events).values(

@@ -187,6 +187,9 @@ class RolloutRecord:
     ``versions`` holds the engine's weight-version label per output token (SGLang reports
     strings, e.g. ``"default"`` or ``"step-12"``); `versions_as_int` converts them for the
     packed batch. ``finish_reason`` is the engine's type (``stop``, ``length``, ``abort``).
+    ``sampling`` holds the request's sampling parameters as sent (vLLM proxy: ``temperature``,
+    ``top_p``, ``top_k``, ``min_p``, ``seed``; None when unknown) and ``logprobs_mode`` the
+    engine's log-prob mode (``raw_logprobs`` or ``processed_logprobs``; None when unknown).
     """
 
     rid: str
@@ -201,6 +204,8 @@ class RolloutRecord:
     entropy_source: str | None = None
     created: float = field(default_factory=time.time)
     engine: str = "sglang"
+    sampling: dict[str, Any] | None = None
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -248,6 +253,8 @@ class RolloutRecord:
             entropy_source=d.get("entropy_source"),
             created=float(d.get("created", time.time())),
             engine=str(d.get("engine", "sglang")),
+            sampling=d.get("sampling"),
+            logprobs_mode=d.get("logprobs_mode"),
         )
 
 
@@ -287,6 +294,8 @@ class HeldRecord:
     entropy_source: str | None = None
     created: float = field(default_factory=time.time)
     engine: str = "sglang"
+    sampling: dict[str, Any] | None = None
+    logprobs_mode: str | None = None
 
     @classmethod
     def build(
@@ -346,6 +355,8 @@ class HeldRecord:
         )
         object.__setattr__(held, "created", rec.created)
         object.__setattr__(held, "engine", rec.engine)
+        object.__setattr__(held, "sampling", rec.sampling)
+        object.__setattr__(held, "logprobs_mode", rec.logprobs_mode)
         return held
 
     @property
@@ -380,4 +391,6 @@ class HeldRecord:
             entropy_source=self.entropy_source,
             created=self.created,
             engine=self.engine,
+            sampling=self.sampling,
+            logprobs_mode=self.logprobs_mode,
         )

@@ -59,7 +59,7 @@ def encode(batch: Batch, batch_id: str) -> tuple[Body, int]:
     header: dict[str, Any] = {"__metadata__": meta}
     views: list[memoryview] = []
     offset = 0
-    for name, value in batch.arrays().items():
+    for name, value in batch.wire_arrays().items():
         arr = np.ascontiguousarray(value)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))

@@ -184,3 +184,22 @@ def sglang_proxy_process(upstream: str, *extra: str) -> Iterator[str]:
     args += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}", *extra]
     with running_process(args, f"http://127.0.0.1:{port}/timwatch/healthz"):
         yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def vllm_standin_process(*extra: str) -> Iterator[str]:
+    """`benchmarks/vllm_standin.py` (vLLM 0.32's answer shapes, not a model) on a free port."""
+    port = free_port()
+    args = [str(REPO / "benchmarks" / "vllm_standin.py"), "--port", str(port), *extra]
+    with running_process(args, f"http://127.0.0.1:{port}/health"):
+        yield f"http://127.0.0.1:{port}"
+
+
+@contextmanager
+def vllm_proxy_process(upstream: str, *extra: str) -> Iterator[str]:
+    """``timwatch sidecar vllm --upstream UPSTREAM EXTRA…`` on a free port, its URL."""
+    port = free_port()
+    args = ["-m", "timwatch", "sidecar", "vllm"]
+    args += ["--upstream", upstream, "--listen", f"127.0.0.1:{port}", *extra]
+    with running_process(args, f"http://127.0.0.1:{port}/timwatch/healthz"):
+        yield f"http://127.0.0.1:{port}"

@@ -239,6 +239,12 @@ def reference(
     pi = [float(x) for x in arrays["logp_train"]]
     ent = [float(x) for x in arrays["entropy"]]
     lmask = [int(x) for x in arrays["loss_mask"]]
+    # δ = ±∞ (one side -inf, the other finite): left out of the mask and every metric, counted
+    impossible = 0
+    for i, (a, b) in enumerate(zip(mu, pi, strict=True)):
+        if (a == -math.inf and math.isfinite(b)) or (b == -math.inf and math.isfinite(a)):
+            impossible += lmask[i]
+            lmask[i] = 0
     opt = {k: arrays[k] for k in arrays if k not in ("cu_seqlens", "loss_mask")}
     eps = params.eps
 
@@ -407,6 +413,7 @@ def reference(
         row["teacher_hard_ratio"] = sum(1 for x in pt if x < 0.05 or x > 0.95) / n
 
     row["nonfinite_tokens"] = nonfinite_tokens
+    row["impossible_tokens"] = impossible
     verl_extras(row, sc, params, [mu[i] for i in flat], [pi[i] for i in flat], seq_of)
 
     # Worst 16 by S, ties: lower flat index first.

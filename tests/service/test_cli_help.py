@@ -63,7 +63,7 @@ def wide(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_command_is_listed() -> None:
     names = {" ".join(p) for p in command_paths()}
     assert {"", "serve", "analyze", "runs", "query", "show", "report", "demo"} <= names
-    assert {"dashboards push", "sidecar sglang"} <= names
+    assert {"dashboards push", "sidecar sglang", "sidecar vllm"} <= names
 
 
 @pytest.mark.parametrize("path", command_paths(), ids=lambda p: " ".join(p) or "timwatch")

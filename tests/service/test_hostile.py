@@ -168,7 +168,8 @@ def _cases() -> list[Case]:
         Case("json-infinity-literal", js(entropy=at("entropy", 1, float("inf"))), "entropy"),
         Case(
             "json-1e400",
-            js(logp_train=at("logp_train", 0, -0.123456)).replace(b"-0.123456", b"-1e400"),
+            # +inf: -1e400 (-inf) on one side alone is an impossible token, accepted below
+            js(logp_train=at("logp_train", 0, -0.123456)).replace(b"-0.123456", b"1e400"),
             "logp_train",
         ),
         Case("wrong-content-type", js(), None, "text/plain", 415),
@@ -219,7 +220,13 @@ def _cases() -> list[Case]:
         Case("st-meta-key-nul", st(meta=st_meta(**{"st\x00ep": "1"})), "__metadata__", ST),
         Case("st-meta-unknown-key", st(meta=st_meta(color="red")), "color", ST),
         Case("st-unknown-tensor", st(logp_ref=("F64", [0.0] * 5)), "logp_ref", ST),
-        Case("st-f16-overflow-inf", st(logp_rollout=("F16", [-1e5] * 5)), "logp_rollout", ST),
+        # both sides -inf: δ is undefined (one side alone is an impossible token, accepted)
+        Case(
+            "st-f16-overflow-inf",
+            st(logp_rollout=("F16", [-1e5] * 5), logp_train=("F16", [-1e5] * 5)),
+            "logp_rollout",
+            ST,
+        ),
     ]
     # per-field types, required fields, lengths
     for name, values in BASE.items():
@@ -379,6 +386,19 @@ ACCEPTED_EDGES: list[tuple[str, bytes, str]] = [
     ("st-f16", st(meta=st_meta(batch_id="f16"), logp_rollout=("F16", BASE["logp_rollout"])), ST),
     ("st-bf16", st(meta=st_meta(batch_id="bf16"), logp_rollout=("BF16", [5], BF16_LOGP)), ST),
     ("st-u8-mask", st(meta=st_meta(batch_id="u8"), loss_mask=("U8", BASE["loss_mask"])), ST),
+    (
+        "json-minus-1e400-impossible",
+        js(logp_train=at("logp_train", 2, -0.123456), batch_id=None).replace(
+            b"-0.123456", b"-1e400"
+        ),
+        "application/json",
+    ),
+    # one side -inf (F16 overflow), the other finite: an impossible token, counted not refused
+    (
+        "st-f16-impossible-token",
+        st(meta=st_meta(batch_id="imp"), logp_rollout=("F16", at("logp_rollout", 2, -1e5))),
+        ST,
+    ),
     ("st-bool-mask", st(meta=st_meta(batch_id="bool"), loss_mask=("BOOL", BASE["loss_mask"])), ST),
 ]
 
@@ -453,7 +473,9 @@ def test_range_edges_are_accepted(server: ServerProc, name: str, body: bytes, ct
         )
         assert r.status_code == 200, r.text
         row = r.json()["row"]
-        assert row["tokens"] == 4
+        impossible = 1 if "impossible" in name else 0
+        assert row["tokens"] == 4 - impossible
+        assert row["impossible_tokens"] == impossible
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,7 @@ def test_migration_0004_keeps_old_rows_and_a_null_digest_replays(db_url: str) ->
     store = Store(db_url)  # upgrades to head
     try:
         with store.engine.connect() as conn:
-            assert MigrationContext.configure(conn).get_current_revision() == "0004"
+            assert MigrationContext.configure(conn).get_current_revision() == "0005"
             assert conn.execute(select(BatchRecord.__table__.c.digest)).scalars().all() == [None]
         assert store.count_batches("old") == 1
         assert store.list_runs()[0]["tags"] == {"team": "rl"}
@@ -193,5 +193,41 @@ def test_migration_0004_keeps_old_rows_and_a_null_digest_replays(db_url: str) ->
             _ingest(store, runs, raw_batch(11, step=2, batch_id="new"))
         assert (conflict.value.status, conflict.value.reason) == (409, "conflict")
         assert store.count_batches("old") == 2
+    finally:
+        store.close()
+
+
+def test_migration_0005_gives_old_steps_zero_impossible_tokens(db_url: str) -> None:
+    from alembic.migration import MigrationContext
+
+    store = Store(db_url)
+    try:
+        stored = _ingest(store, RunRegistry(), raw_batch(12, step=1, batch_id="before"))
+        _alembic(store, "0004")  # the database as revision 0004 left it
+        cols = {c["name"] for c in inspect(store.engine).get_columns("steps")}
+        assert "impossible_tokens" not in cols and "nonfinite_tokens" in cols
+    finally:
+        store.close()
+    store = Store(db_url)  # upgrades to head
+    try:
+        with store.engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == "0005"
+        # before 0005 a -inf log-prob was refused: every stored step had none
+        assert stored["step_row"]["impossible_tokens"] == 0
+        assert store.get_step("old", 1)["row"] == stored["step_row"]  # type: ignore[index]
+        steps, series = store.query_series("old", ["impossible_tokens", "tokens"])
+        assert list(steps) == [1] and list(series["impossible_tokens"]) == [0]
+        # a batch stored now counts its impossible tokens, read back from the chunks too
+        raw = raw_batch(13, step=2, batch_id="after")
+        mask = raw.arrays["loss_mask"]
+        kept = [i for i in range(len(mask)) if int(mask[i]) == 1][:2]
+        raw.arrays["logp_rollout"][kept] = float("-inf")
+        body = raw.to_safetensors_bytes()  # JSON has no -inf; safetensors (the tap's) has
+        done = ingest_batch(
+            store, RunRegistry(), "old", body, "application/x-safetensors", params=PolicyParams()
+        )
+        assert done["step_row"]["impossible_tokens"] == 2
+        steps, series = store.query_series("old", ["impossible_tokens"])
+        assert list(steps) == [1, 2] and list(series["impossible_tokens"]) == [0, 2]
     finally:
         store.close()

@@ -83,11 +83,19 @@ def expect(fn: Callable[[], Any], field: str, index: int | None = None, *words: 
     return err
 
 
+def _both(a: str, b: str, i: int, value: float) -> dict[str, Any]:
+    obj = patched(a, i, value)
+    obj[b][i] = value
+    return obj
+
+
 # (id, JSON object, field, first bad index or None, words the message must contain)
 CASES: list[tuple[str, dict[str, Any], str, int | None, tuple[str, ...]]] = [
     ("nan-rollout", patched("logp_rollout", 3, math.nan), "logp_rollout", 3, ("nan",)),
     ("pinf-train", patched("logp_train", 1, math.inf), "logp_train", 1, ("inf",)),
-    ("ninf-train", patched("logp_train", 4, -math.inf), "logp_train", 4, ("inf",)),
+    # -inf on both sides: δ undefined (one side alone is an impossible token, accepted:
+    # tests/unit/test_impossible_tokens.py)
+    ("ninf-both", _both("logp_rollout", "logp_train", 4, -math.inf), "logp_rollout", 4, ("inf",)),
     ("nan-entropy", patched("entropy", 1, math.nan), "entropy", 1, ("nan",)),
     ("inf-entropy", patched("entropy", 0, math.inf), "entropy", 0, ("inf",)),
     ("positive-logp", patched("logp_rollout", 2, 0.5), "logp_rollout", 2, ()),

@@ -1,0 +1,173 @@
+"""vLLM proxy throughput: one proxy core in front of a fast vLLM-shaped stand-in, vs direct calls.
+
+Same machinery as `benchmarks/proxy_throughput.py` (the SGLang version): the stand-in
+(`benchmarks/vllm_standin.py`) and this process's load generator share core 0, the proxy runs
+alone on core 1 (``taskset``); each scenario is measured direct (client → engine) and through
+the proxy back to back in the same run. Printed per scenario: requests/s both ways and their
+ratio, the added median latency, captured tokens/s (the proxy's ``captured`` counter × tokens
+over the window), "busy" (the share of its core the proxy used, from /proc) and "per core"
+(captured tokens per proxy CPU-second: what one fully loaded proxy core captures).
+
+The client is a plain one (asks for neither log-probs nor token ids): the proxy adds both and
+sets them back to null in every answer, its most expensive case. "direct" is that plain request
+sent to the engine; "same-work" is the request the proxy forwards (log-probs and ids on), sent
+to the engine directly: the ratio and the added p50 are against it, since the proxy cannot
+make the engine's answer smaller than what capturing needs. ``--profile`` runs the headline
+scenario in process under cProfile instead and prints where the proxy's time goes.
+
+    python benchmarks/vllm_proxy_throughput.py [--seconds 5] [--quick] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from proxy_throughput import _captured, _cpu_s, _load, _port, _start  # noqa: E402
+
+PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "generate": "/inference/v1/generate",
+}
+
+
+def body(kind: str, tokens: int, stream: bool, asks: bool = False) -> dict:
+    """A plain client's request; with ``asks``, the request the proxy forwards for it."""
+    if kind == "generate":
+        params: dict = {"max_tokens": tokens, **({"logprobs": 0} if asks else {})}
+        return {"token_ids": list(range(16)), "sampling_params": params, "stream": stream}
+    out: dict = {"model": "standin", "max_tokens": tokens, "stream": stream}
+    if asks:
+        out.update(logprobs=True if kind == "chat" else 0, return_token_ids=True)
+    if kind == "chat":
+        out["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        out["prompt"] = list(range(16))
+    return out
+
+
+def profile(tokens: int, rounds: int = 200) -> None:
+    """Where the proxy's time goes for one non-streamed completions answer (in process)."""
+    import cProfile
+    import pstats
+
+    import vllm_standin as standin
+
+    from timwatch.sidecar.proxy.capture import CaptureStore
+    from timwatch.sidecar.proxy.vllm_capture import VllmCapturer, answer_parts
+    from timwatch.sidecar.proxy.vllm_edit import plan_request
+
+    store = CaptureStore(ttl_s=5.0)
+    counters = dict.fromkeys(
+        (
+            "wire_errors",
+            "impossible_tokens",
+            "sampling_mismatch_samples",
+            "sampling_mismatch_tokens",
+        ),
+        0,
+    )
+    cap = VllmCapturer(store.add, counters, "raw_logprobs")
+    for kind in ("completions", "chat", "generate"):
+        plan = plan_request(kind, body(kind, tokens, False))
+        assert plan is not None
+        answer = standin.answer(standin.Req(kind, plan.body, b"bench", False))
+
+        def run(plan=plan, answer=answer) -> None:  # type: ignore[no-untyped-def]  # noqa: B023
+            for _ in range(rounds):
+                _, capture = answer_parts(cap, plan, answer)
+                assert capture is not None
+                capture()
+
+        run()
+        t0 = time.perf_counter()
+        run()
+        took = time.perf_counter() - t0
+        print(
+            f"{kind}: {len(answer) / 1e3:.0f} kB answer, {took / rounds * 1e6:.0f} µs per answer "
+            f"(edit + capture), {rounds * tokens / took / 1e6:.2f}M tokens/s on one core"
+        )
+        if kind == "completions":
+            prof = cProfile.Profile()
+            prof.runcall(run)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(8)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--quick", action="store_true", help="only the non-streamed 64-request rows")
+    ap.add_argument("--profile", action="store_true", help="in-process cost breakdown only")
+    args = ap.parse_args()
+    if args.profile:
+        profile(4096)
+        return
+    os.sched_setaffinity(0, {0})
+    scenarios = [
+        ("completions", 4096, 64, False),
+        ("chat", 4096, 64, False),
+        ("generate", 4096, 64, False),
+        ("completions", 4096, 1, False),
+        ("completions", 4096, 64, True),
+        ("generate", 4096, 64, True),
+    ]
+    if args.quick:
+        scenarios = [s for s in scenarios if s[2] == 64 and not s[3]]
+    with ExitStack() as stack:
+        e, p = _port(), _port()
+        _start(
+            stack,
+            0,
+            ["benchmarks/vllm_standin.py", "--port", str(e)],
+            f"http://127.0.0.1:{e}/health",
+        )
+        proxy = [
+            "-c",
+            "from timwatch.sidecar.cli import sidecar_app; sidecar_app()",
+            "vllm",
+            "--upstream",
+            f"http://127.0.0.1:{e}",
+            "--listen",
+            f"127.0.0.1:{p}",
+            "--ttl",
+            "30",
+        ]
+        pid = _start(stack, 1, proxy, f"http://127.0.0.1:{p}/timwatch/healthz")
+        print(
+            f"client: plain (the proxy adds log-probs and token ids and cuts them); "
+            f"{args.seconds:.0f} s per cell; engine + load generator on core 0, proxy on core 1"
+        )
+        print(
+            f"{'answer':<34}{'conc':>5}{'direct r/s':>11}{'same-work r/s':>14}{'proxy r/s':>10}"
+            f"{'ratio':>7}{'+p50 ms':>9}{'captured/s':>11}{'busy':>6}{'per core':>9}"
+        )
+        for kind, tokens, conc, stream in scenarios:
+            b, path = body(kind, tokens, stream), PATHS[kind]
+            seconds = args.seconds * (2 if stream else 1)
+            d_rps, _ = _load(e, b, conc, seconds, path)
+            w_rps, d_p50 = _load(e, body(kind, tokens, stream, asks=True), conc, seconds, path)
+            before, cpu0 = _captured(p), _cpu_s(pid)
+            t0 = time.perf_counter()
+            p_rps, p_p50 = _load(p, b, conc, seconds, path)
+            took = time.perf_counter() - t0
+            captured = (_captured(p) - before) * tokens
+            tok_s, busy = captured / took, (_cpu_s(pid) - cpu0) / took
+            label = f"{kind} {tokens} tokens, " + ("streamed" if stream else "not streamed")
+            ratio = p_rps / w_rps if w_rps else float("nan")
+            print(
+                f"{label:<34}{conc:>5}{d_rps:>11.1f}{w_rps:>14.1f}{p_rps:>10.1f}{ratio:>7.2f}"
+                f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>6.0%}"
+                f"{tok_s / max(busy, 1e-9) / 1e6:>8.2f}M",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Reverse proxy in front of vLLM's OpenAI-compatible server that captures μ for every sample.
+
+Clients point at the proxy instead of vLLM. ``/v1/completions``, ``/v1/chat/completions`` and
+``/inference/v1/generate`` are rewritten so vLLM also returns the sampled token's log-prob and
+the token ids (`proxy.vllm_edit.plan_request`); the answer is recorded and what the proxy added
+is set back to the ``null`` vLLM writes for a field not asked for, so the client gets the bytes
+vLLM would have sent for its own request. Every other path (``/v1/models``, ``/health``,
+``/update_weight_version``, ``/collective_rpc``, ...) is forwarded byte for byte, streamed both
+ways; upstream errors pass back unchanged.
+
+Records carry the request's sampling parameters and the engine's log-prob mode
+(``--logprobs-mode``, vLLM's default ``raw_logprobs``); samples whose μ is not the sampling
+distribution are counted as a sampling-side mismatch (`proxy.vllm_capture`).
+
+Debug endpoints as on the SGLang proxy: ``/timwatch/records`` (a -inf log-prob is null
+there), ``/timwatch/counters``,
+``/timwatch/healthz``, plus ``/timwatch/metrics`` (Prometheus text: the counters).
+Trainer reports are installed on top by `proxy.join_http.install_join`.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from timwatch.sidecar.proxy.sglang import (
+    _ALL,
+    ProxyState,
+    _answer_headers,
+    _closing,
+    _counters,
+    _generate_headers,
+    _healthz,
+    _passthrough,
+    _relay,
+    _run_now,
+    _upstream_error,
+)
+from timwatch.sidecar.proxy.sglang_wire import dumps, loads
+from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError
+from timwatch.sidecar.proxy.vllm_capture import (
+    COUNTER_NAMES,
+    VllmCapturer,
+    answer_parts,
+    relay_stream,
+)
+from timwatch.sidecar.proxy.vllm_edit import plan_request, warm_up
+
+__all__ = ["create_app", "LOGPROBS_MODES", "ENDPOINTS"]
+
+#: vLLM's ``--logprobs-mode`` values that return log-probs (the logits modes do not).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+ENDPOINTS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/inference/v1/generate": "generate",
+}
+
+
+def _vllm(state: ProxyState) -> VllmCapturer:
+    cap = state.vllm_capturer  # type: ignore[attr-defined]
+    assert isinstance(cap, VllmCapturer)
+    return cap
+
+
+async def _endpoint(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    cap = _vllm(state)
+    state.counters["requests"] += 1
+    raw = await request.body()
+    try:
+        body = loads(raw)
+    except ValueError:
+        body = None
+    plan = plan_request(ENDPOINTS[request.url.path], body)
+    if plan is None:
+        state.counters["uncaptured_requests"] += 1
+        return await _relay(state, request, raw, request.url.path)
+    query = request.url.query
+    try:
+        resp = await state.generate_client().request(
+            request.method,
+            request.url.path + (f"?{query}" if query else ""),
+            _generate_headers(request),
+            dumps(plan.body) if plan.changed else raw,
+        )
+    except UpstreamError as exc:
+        state.counters["upstream_errors"] += 1
+        return _upstream_error(exc, state.upstream)
+    if resp.status != 200:
+        state.counters["upstream_errors"] += 1
+        try:
+            content = await resp.read()
+        except UpstreamError as exc:
+            return _upstream_error(exc, state.upstream)
+        finally:
+            resp.release()
+        return Response(content, status_code=resp.status, headers=_answer_headers(resp, True))
+    if resp.header("content-type").startswith("text/event-stream"):
+        return StreamingResponse(
+            _closing(relay_stream(cap, plan, resp.chunks()), resp),
+            status_code=resp.status,
+            headers=_answer_headers(resp, False),
+        )
+    try:
+        content = await resp.read()
+    except UpstreamError as exc:
+        state.counters["upstream_errors"] += 1
+        return _upstream_error(exc, state.upstream)
+    finally:
+        resp.release()
+    client, capture = answer_parts(cap, plan, content)
+    return Response(
+        client,
+        status_code=resp.status,
+        headers=_answer_headers(resp, False),
+        background=None if capture is None else BackgroundTask(_run_now, capture),
+    )
+
+
+async def _records_finite(request: Request) -> Response:
+    """`/timwatch/records`, with a log-prob of -inf (a token the engine gave probability 0)
+    listed as null: JSON has no infinity."""
+    state: ProxyState = request.app.state.proxy
+    records = []
+    for rec in state.capture.snapshot():
+        d = rec.to_dict()
+        d["logp"] = [None if x == -math.inf else x for x in d["logp"]]
+        records.append(d)
+    return JSONResponse(
+        {"records": records, "capture": state.capture.counters.to_dict(), "proxy": state.counters}
+    )
+
+
+async def _metrics(request: Request) -> Response:
+    state: ProxyState = request.app.state.proxy
+    lines = []
+    help_ = {
+        "requests": "Requests to the captured endpoints.",
+        "uncaptured_requests": "Captured-endpoint requests passed through unread (echo, beam).",
+        "wire_errors": "Answers or chunks the proxy could not read (passed through).",
+        "upstream_errors": "Upstream failures and non-200 answers.",
+        "sampling_mismatch_samples": (
+            "Samples whose μ is raw log-probs while the request sampled with temperature, "
+            "top-p, top-k or min-p (a sampling-side mismatch, not engine noise)."
+        ),
+        "sampling_mismatch_tokens": "Tokens of sampling_mismatch_samples.",
+        "impossible_tokens": "Captured tokens the engine gave log-prob -inf (vLLM: -9999).",
+    }
+    for name in COUNTER_NAMES:
+        metric = f"timwatch_sidecar_vllm_{name}_total"
+        lines += [f"# HELP {metric} {help_[name]}", f"# TYPE {metric} counter"]
+        lines.append(f"{metric} {state.counters[name]}")
+    counters = state.capture.counters.to_dict()
+    for name in ("captured", "evicted", "expired", "popped"):
+        metric = f"timwatch_sidecar_vllm_records_{name}_total"
+        lines += [f"# HELP {metric} Capture store: records {name}.", f"# TYPE {metric} counter"]
+        lines.append(f"{metric} {counters[name]}")
+    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def create_app(
+    upstream: str,
+    monitor: str | None = None,
+    *,
+    logprobs_mode: str = "raw_logprobs",
+    capture: CaptureStore | None = None,
+    timeout_s: float | None = None,
+    ttl_s: float = 900.0,
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
+) -> Starlette:
+    """Build the vLLM proxy app. ``logprobs_mode`` is the engine's ``--logprobs-mode`` (the
+    proxy cannot ask vLLM for it); ``timeout_s=None`` waits as long as the client does."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    state = ProxyState(
+        upstream,
+        monitor=monitor,
+        topk=None,
+        probe_rate=0.0,
+        vocab_size=None,
+        capture=(
+            capture
+            if capture is not None
+            else CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
+        ),
+        timeout_s=timeout_s,
+    )
+    for name in COUNTER_NAMES:
+        state.counters.setdefault(name, 0)
+    state.vllm_capturer = VllmCapturer(  # type: ignore[attr-defined]
+        state.commit, state.counters, logprobs_mode
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
+            state.client = client
+            state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+            warm_up()  # compile the byte walks now, not on the first client's request
+            gc.freeze()
+            yield
+            await state.generate_upstream.aclose()
+            state.client = state.generate_upstream = None
+
+    routes = [
+        Route("/timwatch/records", _records_finite, methods=["GET"]),
+        Route("/timwatch/counters", _counters, methods=["GET"]),
+        Route("/timwatch/metrics", _metrics, methods=["GET"]),
+        Route("/timwatch/healthz", _healthz, methods=["GET"]),
+        *(Route(path, _endpoint, methods=["POST"]) for path in ENDPOINTS),
+        Route("/{path:path}", _passthrough, methods=_ALL),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.proxy = state
+    return app
