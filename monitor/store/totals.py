@@ -1,4 +1,4 @@
-"""Per-replica run totals (table ``replica_totals``, migration 0005).
+"""Per-replica run totals (table ``replica_totals``, migration 0006).
 
 A replica started with an id (``timwatch serve --replica-id``) merges each batch it stores new
 into its (replica, run) row in that batch's own transaction: the row is, at every commit, the
