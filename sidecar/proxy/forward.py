@@ -12,6 +12,7 @@ passed back with its status, headers and body unchanged. The proxy state is a pr
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 import httpx
@@ -29,6 +30,7 @@ __all__ = [
     "healthz",
     "passthrough",
     "relay",
+    "upstream_clients",
 ]
 
 HOP_BY_HOP = frozenset(
@@ -55,10 +57,27 @@ class ProxyState(Protocol):
     upstream: str
     capture: CaptureStore
     counters: dict[str, int]
+    timeout: httpx.Timeout
+    timeout_s: float | None
+    client: httpx.AsyncClient | None
+    generate_upstream: Upstream | None
 
     def http(self) -> httpx.AsyncClient: ...
 
     def generate_client(self) -> Upstream: ...
+
+
+@asynccontextmanager
+async def upstream_clients(state: ProxyState) -> AsyncIterator[httpx.AsyncClient]:
+    """Open the proxy's two upstream clients (httpx for relays and probes, `Upstream` for
+    planned requests) on ``state`` for the app's lifetime; closed and unset on exit."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
+        state.client = client
+        state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+        yield client
+        await state.generate_upstream.aclose()
+        state.client = state.generate_upstream = None
 
 
 def _request_headers(request: Request) -> dict[str, str]:

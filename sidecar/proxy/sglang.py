@@ -37,6 +37,7 @@ from timwatch.sidecar.proxy.forward import (
     healthz,
     passthrough,
     relay,
+    upstream_clients,
 )
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from timwatch.sidecar.proxy.records import HeldRecord
@@ -173,10 +174,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
-            state.client = client
-            state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+        async with upstream_clients(state) as client:
             # Everything allocated so far lives as long as the proxy: keep it out of the
             # collector's scans, which then only walk what requests allocate.
             gc.freeze()
@@ -191,8 +189,6 @@ def create_app(
             yield
             if state.prober is not None:
                 await state.prober.drain()
-            await state.generate_upstream.aclose()
-            state.client = state.generate_upstream = None
 
     routes = [
         Route("/timwatch/records", _records, methods=["GET"]),

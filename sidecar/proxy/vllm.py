@@ -25,7 +25,6 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,10 +38,10 @@ from timwatch.sidecar.proxy.forward import (
     healthz,
     passthrough,
     relay,
+    upstream_clients,
 )
 from timwatch.sidecar.proxy.sglang import ProxyState
 from timwatch.sidecar.proxy.sglang_wire import dumps, loads
-from timwatch.sidecar.proxy.upstream import Upstream
 from timwatch.sidecar.proxy.vllm_capture import (
     COUNTER_NAMES,
     VllmCapturer,
@@ -167,15 +166,10 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
-            state.client = client
-            state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+        async with upstream_clients(state):
             warm_up()  # compile the byte walks now, not on the first client's request
             gc.freeze()
             yield
-            await state.generate_upstream.aclose()
-            state.client = state.generate_upstream = None
 
     routes = [
         Route("/timwatch/records", _records_finite, methods=["GET"]),
