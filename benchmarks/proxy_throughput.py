@@ -74,6 +74,33 @@ class _Resp:
         self.done = True
 
 
+def _start_pair(
+    stack: ExitStack, engine: str, engine_args: list[str], proxy_args: list[str]
+) -> tuple[int, int, int]:
+    """Start ``benchmarks/<engine>_standin.py`` on core 0 and ``timwatch sidecar <engine>``
+    in front of it on core 1; return (engine port, proxy port, proxy pid)."""
+    e, p = _port(), _port()
+    _start(
+        stack,
+        0,
+        [f"benchmarks/{engine}_standin.py", "--port", str(e), *engine_args],
+        f"http://127.0.0.1:{e}/health",
+    )
+    proxy = [
+        "-c",
+        "from timwatch.sidecar.cli import sidecar_app; sidecar_app()",
+        engine,
+        "--upstream",
+        f"http://127.0.0.1:{e}",
+        "--listen",
+        f"127.0.0.1:{p}",
+        "--ttl",
+        "30",
+        *proxy_args,
+    ]
+    return e, p, _start(stack, 1, proxy, f"http://127.0.0.1:{p}/timwatch/healthz")
+
+
 async def _conn(port: int, request: bytes, until: float, lat: list[float], warm: float) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -146,28 +173,9 @@ def main() -> None:
     with ExitStack() as stack:
         ports = {}
         for mode in ("cumulative", "incremental"):
-            e, p = _port(), _port()
             extra = ["--incremental-streaming-output"] if mode == "incremental" else []
-            _start(
-                stack,
-                0,
-                ["benchmarks/sglang_standin.py", "--port", str(e), *extra],
-                f"http://127.0.0.1:{e}/health",
-            )
-            proxy = [
-                "-c",
-                "from timwatch.sidecar.cli import sidecar_app; sidecar_app()",
-                "sglang",
-                "--upstream",
-                f"http://127.0.0.1:{e}",
-                "--listen",
-                f"127.0.0.1:{p}",
-                "--ttl",
-                "30",
-            ]
-            proxy += ["--topk", str(args.topk)] if args.topk else []
-            pid = _start(stack, 1, proxy, f"http://127.0.0.1:{p}/timwatch/healthz")
-            ports[mode] = (e, p, pid)
+            topk = ["--topk", str(args.topk)] if args.topk else []
+            ports[mode] = _start_pair(stack, "sglang", extra, topk)
         print(
             f"client: {args.client}; proxy topk: {args.topk or 'off'}; {args.seconds:.0f} s "
             "per cell; engine + load generator on core 0, proxy on core 1"

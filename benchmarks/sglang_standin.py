@@ -7,7 +7,8 @@ the body with orjson and writes cached bytes (non-streamed), or the frames of a 
 incremental stream (``--incremental-streaming-output``), one ``data: ...\\n\\n`` frame per token
 as SGLang sends with ``stream_interval = 1``. Each answer gets a fresh ``meta_info.id``.
 
-Plain asyncio streams and httptools; HTTP/1.1 keep-alive; chunked encoding for streams.
+Plain asyncio streams and httptools (`standin_http`); HTTP/1.1 keep-alive; chunked encoding
+for streams.
 
     python benchmarks/sglang_standin.py --port 30000 [--incremental-streaming-output]
 """
@@ -20,8 +21,8 @@ import itertools
 import math
 from typing import Any
 
-import httptools
 import orjson
+from standin_http import HttpRequest, Joined, serve
 
 VOCAB = 151_936
 _ids = itertools.count()
@@ -31,42 +32,29 @@ def _token(i: int) -> tuple[int, float]:
     return (i * 7919 + 13) % VOCAB, -abs(math.sin(i * 0.37)) * 3.0 - 1e-3
 
 
-class _Joined:
-    """Items joined by commas once; any run of them is then one slice (a memcpy)."""
-
-    def __init__(self, items: list[bytes]) -> None:
-        self.data = b",".join(items)
-        self.starts = [0]
-        for item in items:
-            self.starts.append(self.starts[-1] + len(item) + 1)
-
-    def run(self, lo: int, hi: int) -> bytes:
-        return self.data[self.starts[lo] : self.starts[hi] - 1] if hi > lo else b""
-
-
 class Answers:
     """Joined byte pieces of answers, cached by (tokens, logprob, topk)."""
 
     def __init__(self) -> None:
-        self.cache: dict[tuple[int, bool, int], tuple[bytes, _Joined, _Joined, _Joined]] = {}
+        self.cache: dict[tuple[int, bool, int], tuple[bytes, Joined, Joined, Joined]] = {}
 
-    def pieces(self, n: int, lp: bool, k: int) -> tuple[bytes, _Joined, _Joined, _Joined]:
+    def pieces(self, n: int, lp: bool, k: int) -> tuple[bytes, Joined, Joined, Joined]:
         key = (n, lp, k)
         if key not in self.cache:
             toks = [_token(i) for i in range(n)]
             text = b"".join(chr(97 + t % 26).encode() for t, _ in toks)
-            ids = _Joined([str(t).encode() for t, _ in toks])
-            trip = _Joined([orjson.dumps([lp_, t, None]) for t, lp_ in toks] if lp else [])
+            ids = Joined([str(t).encode() for t, _ in toks])
+            trip = Joined([orjson.dumps([lp_, t, None]) for t, lp_ in toks] if lp else [])
             rows = [
                 orjson.dumps([[lp_ - 0.1 * j, (t + j) % VOCAB, None] for j in range(k)])
                 for t, lp_ in toks
             ]
-            self.cache[key] = (text, ids, trip, _Joined(rows if lp and k else []))
+            self.cache[key] = (text, ids, trip, Joined(rows if lp and k else []))
         return self.cache[key]
 
 
 def _answer(
-    pieces: tuple[bytes, _Joined, _Joined, _Joined],
+    pieces: tuple[bytes, Joined, Joined, Joined],
     n: int,
     lo: int,
     hi: int,
@@ -112,44 +100,15 @@ def _answer(
     return b"".join(body)
 
 
-class _Req:
-    def __init__(self) -> None:
-        self.url = b""
-        self.body = bytearray()
-        self.done = False
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_body(self, body: bytes) -> None:
-        self.body += body
-
-    def on_message_complete(self) -> None:
-        self.done = True
-
-
-async def _serve(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, answers: Answers, incremental: bool
+async def _handle(
+    req: HttpRequest, writer: asyncio.StreamWriter, answers: Answers, incremental: bool
 ) -> None:
-    try:
-        while True:
-            req = _Req()
-            parser = httptools.HttpRequestParser(req)
-            while not req.done:
-                data = await reader.read(65536)
-                if not data:
-                    return
-                parser.feed_data(data)
-            if req.url.startswith(b"/health"):
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                continue
-            body: dict[str, Any] = orjson.loads(bytes(req.body))
-            await _generate(body, writer, answers, incremental)
-            await writer.drain()
-    except (ConnectionError, httptools.HttpParserError):
-        pass
-    finally:
-        writer.close()
+    if req.url.startswith(b"/health"):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        return
+    body: dict[str, Any] = orjson.loads(bytes(req.body))
+    await _generate(body, writer, answers, incremental)
+    await writer.drain()
 
 
 async def _generate(
@@ -190,18 +149,8 @@ def main() -> None:
     ap.add_argument("--incremental-streaming-output", action="store_true")
     args = ap.parse_args()
     answers = Answers()
-
-    async def run() -> None:
-        server = await asyncio.start_server(
-            lambda r, w: _serve(r, w, answers, args.incremental_streaming_output),
-            "127.0.0.1",
-            args.port,
-            backlog=4096,
-        )
-        async with server:
-            await server.serve_forever()
-
-    asyncio.run(run())
+    incremental = args.incremental_streaming_output
+    serve(args.port, lambda req, w: _handle(req, w, answers, incremental))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from proxy_throughput import _captured, _cpu_s, _load, _port, _start  # noqa: E402
+from proxy_throughput import _captured, _cpu_s, _load, _start_pair  # noqa: E402
 
 PATHS = {
     "completions": "/v1/completions",
@@ -121,25 +121,7 @@ def main() -> None:
     if args.quick:
         scenarios = [s for s in scenarios if s[2] == 64 and not s[3]]
     with ExitStack() as stack:
-        e, p = _port(), _port()
-        _start(
-            stack,
-            0,
-            ["benchmarks/vllm_standin.py", "--port", str(e)],
-            f"http://127.0.0.1:{e}/health",
-        )
-        proxy = [
-            "-c",
-            "from timwatch.sidecar.cli import sidecar_app; sidecar_app()",
-            "vllm",
-            "--upstream",
-            f"http://127.0.0.1:{e}",
-            "--listen",
-            f"127.0.0.1:{p}",
-            "--ttl",
-            "30",
-        ]
-        pid = _start(stack, 1, proxy, f"http://127.0.0.1:{p}/timwatch/healthz")
+        e, p, pid = _start_pair(stack, "vllm", [], [])
         print(
             f"client: plain (the proxy adds log-probs and token ids and cuts them); "
             f"{args.seconds:.0f} s per cell; engine + load generator on core 0, proxy on core 1"

@@ -26,8 +26,8 @@ import math
 import time
 from typing import Any
 
-import httptools
 import orjson
+from standin_http import HttpRequest, Joined, serve
 
 VOCAB = 151_936
 MODEL = b"standin"
@@ -41,19 +41,6 @@ def token(i: int) -> tuple[int, float, bytes]:
     return tid, lp, b"" if i % 7 == 6 else chr(97 + tid % 26).encode()
 
 
-class _Runs:
-    """Items joined by commas once; any run of them is then one slice."""
-
-    def __init__(self, items: list[bytes]) -> None:
-        self.data = b",".join(items)
-        self.starts = [0]
-        for item in items:
-            self.starts.append(self.starts[-1] + len(item) + 1)
-
-    def run(self, lo: int, hi: int) -> bytes:
-        return self.data[self.starts[lo] : self.starts[hi] - 1] if hi > lo else b""
-
-
 class Pieces:
     """Per-token byte runs for ``n`` tokens, in each endpoint's log-prob shape."""
 
@@ -61,25 +48,25 @@ class Pieces:
         toks = [token(i) for i in range(n)]
         self.n = n
         self.texts = [t for _, _, t in toks]
-        self.ids = _Runs([b"%d" % t for t, _, _ in toks])
-        self.lps = _Runs([orjson.dumps(lp) for _, lp, _ in toks])
-        self.tokens = _Runs([orjson.dumps(t.decode()) for _, _, t in toks])
-        self.tops = _Runs(
+        self.ids = Joined([b"%d" % t for t, _, _ in toks])
+        self.lps = Joined([orjson.dumps(lp) for _, lp, _ in toks])
+        self.tokens = Joined([orjson.dumps(t.decode()) for _, _, t in toks])
+        self.tops = Joined(
             [b"{%s:%s}" % (orjson.dumps(t.decode()), orjson.dumps(lp)) for _, lp, t in toks]
         )
         offsets, at = [], 0
         for text in self.texts:
             offsets.append(b"%d" % at)
             at += len(text)
-        self.offsets = _Runs(offsets)
-        self.chat = _Runs(
+        self.offsets = Joined(offsets)
+        self.chat = Joined(
             [
                 b'{"token":%s,"logprob":%s,"bytes":%s,"top_logprobs":[]}'
                 % (orjson.dumps(t.decode()), orjson.dumps(lp), orjson.dumps(list(t)))
                 for _, lp, t in toks
             ]
         )
-        self.gen = _Runs(
+        self.gen = Joined(
             [
                 b'{"token_id":%d,"logprob":%s,"rank":1,"top_logprobs":[{"token_id":%d,'
                 b'"logprob":%s,"rank":1}]}' % (tid, orjson.dumps(lp), tid, orjson.dumps(lp))
@@ -283,26 +270,6 @@ def frames(r: Req) -> list[bytes]:
     return [b"data: " + f + b"\n\n" for f in out] + [b"data: [DONE]\n\n"]
 
 
-class _Http:
-    def __init__(self) -> None:
-        self.url = b""
-        self.body = bytearray()
-        self.headers: dict[bytes, bytes] = {}
-        self.done = False
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
-
-    def on_body(self, body: bytes) -> None:
-        self.body += body
-
-    def on_message_complete(self) -> None:
-        self.done = True
-
-
 _KINDS = {
     b"/v1/completions": "completions",
     b"/v1/chat/completions": "chat",
@@ -310,51 +277,36 @@ _KINDS = {
 }
 
 
-async def _serve(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, versions: bool
-) -> None:
-    try:
-        while True:
-            req = _Http()
-            parser = httptools.HttpRequestParser(req)
-            while not req.done:
-                data = await reader.read(65536)
-                if not data:
-                    return
-                parser.feed_data(data)
-            kind = _KINDS.get(req.url.split(b"?")[0])
-            if kind is None:
-                status = b"200 OK" if req.url.startswith(b"/health") else b"404 Not Found"
-                writer.write(b"HTTP/1.1 %s\r\ncontent-length: 0\r\n\r\n" % status)
-                continue
-            body = orjson.loads(bytes(req.body))
-            rid = req.headers.get(b"x-request-id") or b"%032x" % next(_ids)
-            r = Req(kind, body, rid, versions)
-            if not body.get("stream"):
-                out = answer(r)
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\n\r\n" % len(out) + out
-                )
+async def _handle(req: HttpRequest, writer: asyncio.StreamWriter, versions: bool) -> None:
+    kind = _KINDS.get(req.url.split(b"?")[0])
+    if kind is None:
+        status = b"200 OK" if req.url.startswith(b"/health") else b"404 Not Found"
+        writer.write(b"HTTP/1.1 %s\r\ncontent-length: 0\r\n\r\n" % status)
+        return
+    body = orjson.loads(bytes(req.body))
+    rid = req.headers.get(b"x-request-id") or b"%032x" % next(_ids)
+    r = Req(kind, body, rid, versions)
+    if not body.get("stream"):
+        out = answer(r)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(out) + out
+        )
+    else:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        fs = frames(r)
+        for at in range(0, len(fs), 64):
+            group = b"".join(fs[at : at + 64])
+            writer.write(b"%x\r\n%s\r\n" % (len(group), group))
+            if writer.transport.get_write_buffer_size() > 1 << 20:
+                await writer.drain()
             else:
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-                    b"transfer-encoding: chunked\r\n\r\n"
-                )
-                fs = frames(r)
-                for at in range(0, len(fs), 64):
-                    group = b"".join(fs[at : at + 64])
-                    writer.write(b"%x\r\n%s\r\n" % (len(group), group))
-                    if writer.transport.get_write_buffer_size() > 1 << 20:
-                        await writer.drain()
-                    else:
-                        await asyncio.sleep(0)
-                writer.write(b"0\r\n\r\n")
-            await writer.drain()
-    except (ConnectionError, httptools.HttpParserError):
-        pass
-    finally:
-        writer.close()
+                await asyncio.sleep(0)
+        writer.write(b"0\r\n\r\n")
+    await writer.drain()
 
 
 def main() -> None:
@@ -362,15 +314,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--versions", action="store_true", help="report two weight versions")
     args = ap.parse_args()
-
-    async def run() -> None:
-        server = await asyncio.start_server(
-            lambda r, w: _serve(r, w, args.versions), "127.0.0.1", args.port, backlog=4096
-        )
-        async with server:
-            await server.serve_forever()
-
-    asyncio.run(run())
+    serve(args.port, lambda req, w: _handle(req, w, args.versions))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 __all__ = ["sidecar_app"]
@@ -21,6 +23,52 @@ def _split_listen(listen: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+# Options both proxy commands take, written once.
+_TOKEN = typer.Option(
+    None,
+    "--token",
+    envvar="TIMWATCH_TOKEN",
+    help="The monitor's bearer token for writes",
+    show_default=False,
+)
+_TIMEOUT = typer.Option(
+    None, "--timeout", help="Upstream timeout in seconds (default: wait as long as clients)"
+)
+_TTL = typer.Option(900.0, "--ttl", help="Seconds an unjoined record is kept")
+_MAX_HELD_BYTES = typer.Option(
+    2 << 30,
+    "--max-held-bytes",
+    min=1,
+    help="Bytes of unjoined records held at most; the oldest are dropped first (counted)",
+)
+_REPORT_TTL = typer.Option(
+    60.0, "--report-ttl", help="Seconds a trainer report waits for its rollout records"
+)
+
+
+def _check_runs(run: str, *derived: str) -> None:
+    """Refuse a --run the monitor would refuse every batch of; with ``derived`` (runs named
+    after it) those are checked too and the message names the one that failed."""
+    from timwatch.monitor.core.runid import check_run_id
+
+    for name in (run, *derived):
+        reason = check_run_id(name)
+        if reason is not None:
+            checked = f" (checked {name!r})" if derived else ""
+            raise typer.BadParameter(f"--run {run!r}: {reason}{checked}")
+
+
+def _serve(app: Any, host: str, port: int, banner: str, monitor: str | None, run: str) -> None:
+    """Print where the proxy listens and serve ``app`` until interrupted."""
+    import uvicorn
+
+    typer.echo(
+        f"timwatch sidecar listening on http://{host}:{port} → {banner}"
+        + (f" · monitor {monitor} (run {run!r})" if monitor else " · capture only (no --monitor)")
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
 @sidecar_app.command("sglang")
 def sglang(
     upstream: str = typer.Option(..., "--upstream", help="SGLang server URL, e.g. http://h:30000"),
@@ -33,13 +81,7 @@ def sglang(
     run: str = typer.Option(
         "default", "--run", help="Run for joined batches (probes go to <run>-prefill-probe)"
     ),
-    token: str | None = typer.Option(
-        None,
-        "--token",
-        envvar="TIMWATCH_TOKEN",
-        help="The monitor's bearer token for writes",
-        show_default=False,
-    ),
+    token: str | None = _TOKEN,
     topk: int | None = typer.Option(
         None, "--topk", min=1, help="Request top-k logprobs to bound the rollout entropy"
     ),
@@ -49,19 +91,10 @@ def sglang(
     probe_rate: float = typer.Option(
         0.0, "--probe-rate", min=0.0, max=1.0, help="Fraction of samples re-scored by prefill"
     ),
-    timeout_s: float | None = typer.Option(
-        None, "--timeout", help="Upstream timeout in seconds (default: wait as long as clients)"
-    ),
-    ttl_s: float = typer.Option(900.0, "--ttl", help="Seconds an unjoined record is kept"),
-    max_held_bytes: int = typer.Option(
-        2 << 30,
-        "--max-held-bytes",
-        min=1,
-        help="Bytes of unjoined records held at most; the oldest are dropped first (counted)",
-    ),
-    report_ttl_s: float = typer.Option(
-        60.0, "--report-ttl", help="Seconds a trainer report waits for its rollout records"
-    ),
+    timeout_s: float | None = _TIMEOUT,
+    ttl_s: float = _TTL,
+    max_held_bytes: int = _MAX_HELD_BYTES,
+    report_ttl_s: float = _REPORT_TTL,
     probe_batch: int = typer.Option(
         64, "--probe-batch", min=1, help="Probe results per batch sent to the monitor"
     ),
@@ -75,18 +108,12 @@ def sglang(
     batches go to run --run) and, with --probe-rate > 0, sends decode-vs-prefill probes to run
     <run>-prefill-probe.
     """
-    import uvicorn
-
-    from timwatch.monitor.core.runid import check_run_id
     from timwatch.sidecar.proxy.join_http import install_join
     from timwatch.sidecar.proxy.probe_forward import PROBE_RUN_SUFFIX, install_probe_forward
     from timwatch.sidecar.proxy.sglang import create_app
 
     host, port = _split_listen(listen)
-    for name in (run, run + PROBE_RUN_SUFFIX):
-        reason = check_run_id(name)
-        if reason is not None:  # the monitor would refuse every batch of this run
-            raise typer.BadParameter(f"--run {run!r}: {reason} (checked {name!r})")
+    _check_runs(run, run + PROBE_RUN_SUFFIX)
     app = create_app(
         upstream,
         monitor=monitor,
@@ -108,11 +135,7 @@ def sglang(
                 batch_size=probe_batch,
                 flush_s=probe_flush_s,
             )
-    typer.echo(
-        f"timwatch sidecar listening on http://{host}:{port} → SGLang {upstream}"
-        + (f" · monitor {monitor} (run {run!r})" if monitor else " · capture only (no --monitor)")
-    )
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    _serve(app, host, port, f"SGLang {upstream}", monitor, run)
 
 
 @sidecar_app.command("vllm")
@@ -125,31 +148,16 @@ def vllm(
         None, "--monitor", help="timwatch service URL: enables trainer reports"
     ),
     run: str = typer.Option("default", "--run", help="Run for joined batches"),
-    token: str | None = typer.Option(
-        None,
-        "--token",
-        envvar="TIMWATCH_TOKEN",
-        help="The monitor's bearer token for writes",
-        show_default=False,
-    ),
+    token: str | None = _TOKEN,
     logprobs_mode: str = typer.Option(
         "raw_logprobs",
         "--logprobs-mode",
         help="The engine's --logprobs-mode: raw_logprobs (vLLM's default) or processed_logprobs",
     ),
-    timeout_s: float | None = typer.Option(
-        None, "--timeout", help="Upstream timeout in seconds (default: wait as long as clients)"
-    ),
-    ttl_s: float = typer.Option(900.0, "--ttl", help="Seconds an unjoined record is kept"),
-    max_held_bytes: int = typer.Option(
-        2 << 30,
-        "--max-held-bytes",
-        min=1,
-        help="Bytes of unjoined records held at most; the oldest are dropped first (counted)",
-    ),
-    report_ttl_s: float = typer.Option(
-        60.0, "--report-ttl", help="Seconds a trainer report waits for its rollout records"
-    ),
+    timeout_s: float | None = _TIMEOUT,
+    ttl_s: float = _TTL,
+    max_held_bytes: int = _MAX_HELD_BYTES,
+    report_ttl_s: float = _REPORT_TTL,
 ) -> None:
     """Reverse proxy in front of vLLM that captures μ, ids, versions and sampling parameters.
 
@@ -157,9 +165,6 @@ def vllm(
     clients get vLLM's own bytes for their request. With --monitor it also accepts trainer
     reports on POST /timwatch/v1/trainer_reports (joined batches go to run --run).
     """
-    import uvicorn
-
-    from timwatch.monitor.core.runid import check_run_id
     from timwatch.sidecar.proxy.join_http import install_join
     from timwatch.sidecar.proxy.vllm import LOGPROBS_MODES, create_app
 
@@ -168,9 +173,7 @@ def vllm(
         raise typer.BadParameter(
             f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}"
         )
-    reason = check_run_id(run)
-    if reason is not None:
-        raise typer.BadParameter(f"--run {run!r}: {reason}")
+    _check_runs(run)
     app = create_app(
         upstream,
         monitor=monitor,
@@ -181,9 +184,4 @@ def vllm(
     )
     if monitor:
         install_join(app, monitor=monitor, run=run, token=token, report_ttl_s=report_ttl_s)
-    typer.echo(
-        f"timwatch sidecar listening on http://{host}:{port} → vLLM {upstream} "
-        f"({logprobs_mode})"
-        + (f" · monitor {monitor} (run {run!r})" if monitor else " · capture only (no --monitor)")
-    )
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    _serve(app, host, port, f"vLLM {upstream} ({logprobs_mode})", monitor, run)

@@ -20,43 +20,34 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from timwatch.sidecar.proxy.forward import (
+    ALL_METHODS,
+    counters,
+    forward_planned,
+    healthz,
+    passthrough,
+    relay,
+    upstream_clients,
+)
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from timwatch.sidecar.proxy.records import HeldRecord
 from timwatch.sidecar.proxy.relay import Capturer, answer_parts, relay_stream
 from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
-from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamResponse
+from timwatch.sidecar.proxy.upstream import Upstream
 
 __all__ = ["create_app", "ProxyState"]
 
 log = logging.getLogger(__name__)
-
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-    }
-)
-# uvicorn writes its own; forwarding the upstream's would duplicate them.
-_RESPONSE_DROP = _HOP_BY_HOP | {"date", "server"}
 
 
 class ProxyState:
@@ -106,53 +97,6 @@ class ProxyState:
             self.prober.maybe_probe(record.unpack())
 
 
-def _request_headers(request: Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-
-
-def _response_headers(resp: httpx.Response, *, keep_length: bool) -> dict[str, str]:
-    drop = _RESPONSE_DROP if keep_length else _RESPONSE_DROP | {"content-length"}
-    return {k: v for k, v in resp.headers.items() if k.lower() not in drop}
-
-
-def _target(state: ProxyState, request: Request, path: str) -> str:
-    query = request.url.query
-    return f"{state.upstream}{path}" + (f"?{query}" if query else "")
-
-
-def _gateway_error(exc: httpx.HTTPError, upstream: str) -> Response:
-    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-    message = f"timwatch sidecar: upstream {upstream} failed: {type(exc).__name__}: {exc}"
-    return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-async def _relay(state: ProxyState, request: Request, content: Any, path: str) -> Response:
-    """Forward one request untouched and stream the upstream's answer back untouched."""
-    client = state.http()
-    req = client.build_request(
-        request.method,
-        _target(state, request, path),
-        headers=_request_headers(request),
-        content=content,
-    )
-    try:
-        resp = await client.send(req, stream=True)
-    except httpx.HTTPError as exc:
-        state.counters["upstream_errors"] += 1
-        return _gateway_error(exc, state.upstream)
-    return StreamingResponse(
-        resp.aiter_raw(),
-        status_code=resp.status_code,
-        headers=_response_headers(resp, keep_length=True),
-        background=BackgroundTask(resp.aclose),
-    )
-
-
-async def _passthrough(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
-    return await _relay(state, request, request.stream(), request.url.path)
-
-
 async def _generate(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
     state.counters["requests"] += 1
@@ -163,77 +107,15 @@ async def _generate(request: Request) -> Response:
         body = None
     plan = plan_request(body, state.topk)
     if plan is None:
-        return await _relay(state, request, raw, request.url.path)
-    query = request.url.query
-    try:
-        resp = await state.generate_client().request(
-            request.method,
-            request.url.path + (f"?{query}" if query else ""),
-            _generate_headers(request),
-            dumps(plan.body) if plan.changed else raw,
-        )
-    except UpstreamError as exc:
-        state.counters["upstream_errors"] += 1
-        return _upstream_error(exc, state.upstream)
-    if resp.status != 200:
-        state.counters["upstream_errors"] += 1
-        try:
-            content = await resp.read()
-        except UpstreamError as exc:
-            return _upstream_error(exc, state.upstream)
-        finally:
-            resp.release()
-        return Response(content, status_code=resp.status, headers=_answer_headers(resp, True))
-    if plan.stream and resp.header("content-type").startswith("text/event-stream"):
-        return StreamingResponse(
-            _closing(relay_stream(state.capturer, plan, resp.chunks()), resp),
-            status_code=resp.status,
-            headers=_answer_headers(resp, False),
-        )
-    try:
-        content = await resp.read()
-    except UpstreamError as exc:
-        state.counters["upstream_errors"] += 1
-        return _upstream_error(exc, state.upstream)
-    finally:
-        resp.release()
-    client, capture = answer_parts(state.capturer, plan, content)
-    return Response(
-        client,
-        status_code=resp.status,
-        headers=_answer_headers(resp, False),
-        background=None if capture is None else BackgroundTask(_run_now, capture),
+        return await relay(state, request, raw, request.url.path)
+    return await forward_planned(
+        state,
+        request,
+        dumps(plan.body) if plan.changed else raw,
+        stream=plan.stream,
+        relay_chunks=lambda chunks: relay_stream(state.capturer, plan, chunks),
+        answer=lambda content: answer_parts(state.capturer, plan, content),
     )
-
-
-async def _run_now(capture: Callable[[], None]) -> None:
-    # async, so Starlette runs it in the request's own task right after the last byte is
-    # written, before the loop serves anything else (a sync one would go to a thread)
-    capture()
-
-
-def _generate_headers(request: Request) -> list[tuple[str, str]]:
-    # The proxy parses /generate answers, so it asks for them uncompressed.
-    drop = _HOP_BY_HOP | {"accept-encoding", "content-length"}
-    return [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
-
-
-def _answer_headers(resp: UpstreamResponse, keep_length: bool) -> dict[str, str]:
-    drop = _RESPONSE_DROP if keep_length else _RESPONSE_DROP | {"content-length"}
-    return {k: v for k, v in resp.headers if k.lower() not in drop}
-
-
-def _upstream_error(exc: UpstreamError, upstream: str) -> Response:
-    message = f"timwatch sidecar: upstream {upstream} failed: {exc}"
-    return JSONResponse({"error": {"message": message}}, status_code=504 if exc.timeout else 502)
-
-
-async def _closing(chunks: AsyncIterator[bytes], resp: UpstreamResponse) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        resp.release()
 
 
 async def _records(request: Request) -> Response:
@@ -248,18 +130,6 @@ async def _records(request: Request) -> Response:
     )
 
 
-async def _counters(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
-    capture = state.capture
-    body = {
-        "capture": capture.counters.to_dict(),
-        "held_records": len(capture),
-        "max_held_bytes": capture.max_held_bytes,
-        "proxy": dict(state.counters),
-    }
-    return JSONResponse(body)
-
-
 async def _probes(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
     prober = state.prober
@@ -271,13 +141,6 @@ async def _probes(request: Request) -> Response:
             "forward": state.probe_sink.stats() if state.probe_sink else None,
         }
     )
-
-
-async def _healthz(request: Request) -> Response:
-    return JSONResponse({"ok": True})
-
-
-_ALL = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
 
 def create_app(
@@ -311,10 +174,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
-            state.client = client
-            state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+        async with upstream_clients(state) as client:
             # Everything allocated so far lives as long as the proxy: keep it out of the
             # collector's scans, which then only walk what requests allocate.
             gc.freeze()
@@ -329,16 +189,14 @@ def create_app(
             yield
             if state.prober is not None:
                 await state.prober.drain()
-            await state.generate_upstream.aclose()
-            state.client = state.generate_upstream = None
 
     routes = [
         Route("/timwatch/records", _records, methods=["GET"]),
-        Route("/timwatch/counters", _counters, methods=["GET"]),
+        Route("/timwatch/counters", counters, methods=["GET"]),
         Route("/timwatch/probes", _probes, methods=["GET"]),
-        Route("/timwatch/healthz", _healthz, methods=["GET"]),
+        Route("/timwatch/healthz", healthz, methods=["GET"]),
         Route("/generate", _generate, methods=["POST", "PUT"]),
-        Route("/{path:path}", _passthrough, methods=_ALL),
+        Route("/{path:path}", passthrough, methods=ALL_METHODS),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = state

@@ -25,29 +25,23 @@ import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
-from timwatch.sidecar.proxy.sglang import (
-    _ALL,
-    ProxyState,
-    _answer_headers,
-    _closing,
-    _counters,
-    _generate_headers,
-    _healthz,
-    _passthrough,
-    _relay,
-    _run_now,
-    _upstream_error,
+from timwatch.sidecar.proxy.forward import (
+    ALL_METHODS,
+    counters,
+    forward_planned,
+    healthz,
+    passthrough,
+    relay,
+    upstream_clients,
 )
+from timwatch.sidecar.proxy.sglang import ProxyState
 from timwatch.sidecar.proxy.sglang_wire import dumps, loads
-from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError
 from timwatch.sidecar.proxy.vllm_capture import (
     COUNTER_NAMES,
     VllmCapturer,
@@ -85,46 +79,14 @@ async def _endpoint(request: Request) -> Response:
     plan = plan_request(ENDPOINTS[request.url.path], body)
     if plan is None:
         state.counters["uncaptured_requests"] += 1
-        return await _relay(state, request, raw, request.url.path)
-    query = request.url.query
-    try:
-        resp = await state.generate_client().request(
-            request.method,
-            request.url.path + (f"?{query}" if query else ""),
-            _generate_headers(request),
-            dumps(plan.body) if plan.changed else raw,
-        )
-    except UpstreamError as exc:
-        state.counters["upstream_errors"] += 1
-        return _upstream_error(exc, state.upstream)
-    if resp.status != 200:
-        state.counters["upstream_errors"] += 1
-        try:
-            content = await resp.read()
-        except UpstreamError as exc:
-            return _upstream_error(exc, state.upstream)
-        finally:
-            resp.release()
-        return Response(content, status_code=resp.status, headers=_answer_headers(resp, True))
-    if resp.header("content-type").startswith("text/event-stream"):
-        return StreamingResponse(
-            _closing(relay_stream(cap, plan, resp.chunks()), resp),
-            status_code=resp.status,
-            headers=_answer_headers(resp, False),
-        )
-    try:
-        content = await resp.read()
-    except UpstreamError as exc:
-        state.counters["upstream_errors"] += 1
-        return _upstream_error(exc, state.upstream)
-    finally:
-        resp.release()
-    client, capture = answer_parts(cap, plan, content)
-    return Response(
-        client,
-        status_code=resp.status,
-        headers=_answer_headers(resp, False),
-        background=None if capture is None else BackgroundTask(_run_now, capture),
+        return await relay(state, request, raw, request.url.path)
+    return await forward_planned(
+        state,
+        request,
+        dumps(plan.body) if plan.changed else raw,
+        stream=True,
+        relay_chunks=lambda chunks: relay_stream(cap, plan, chunks),
+        answer=lambda content: answer_parts(cap, plan, content),
     )
 
 
@@ -204,23 +166,18 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-        async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
-            state.client = client
-            state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
+        async with upstream_clients(state):
             warm_up()  # compile the byte walks now, not on the first client's request
             gc.freeze()
             yield
-            await state.generate_upstream.aclose()
-            state.client = state.generate_upstream = None
 
     routes = [
         Route("/timwatch/records", _records_finite, methods=["GET"]),
-        Route("/timwatch/counters", _counters, methods=["GET"]),
+        Route("/timwatch/counters", counters, methods=["GET"]),
         Route("/timwatch/metrics", _metrics, methods=["GET"]),
-        Route("/timwatch/healthz", _healthz, methods=["GET"]),
+        Route("/timwatch/healthz", healthz, methods=["GET"]),
         *(Route(path, _endpoint, methods=["POST"]) for path in ENDPOINTS),
-        Route("/{path:path}", _passthrough, methods=_ALL),
+        Route("/{path:path}", passthrough, methods=ALL_METHODS),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = state
