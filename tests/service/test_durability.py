@@ -56,10 +56,15 @@ PRODUCERS, PER_PRODUCER, KILL_AFTER = 32, 6, 60
 
 def _send_until_error(c: httpx.Client, run: str, raws: list[RawBatch], acked: list[str]) -> None:
     for raw in raws:
-        try:
-            r = c.post(f"/v1/runs/{run}/batches", content=dumps(raw.to_json_obj()))
-        except httpx.HTTPError:
-            return  # the server died under this request: it is not acked
+        while True:
+            try:
+                r = c.post(f"/v1/runs/{run}/batches", content=dumps(raw.to_json_obj()))
+            except httpx.HTTPError:
+                return  # the server died under this request: it is not acked
+            if r.status_code != 503:
+                break
+            # a busy store (lock timeout) answers 503 + Retry-After: retry as the tap does
+            time.sleep(0.05)
         if r.status_code != 200:
             return
         assert raw.batch_id is not None
