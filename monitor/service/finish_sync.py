@@ -12,9 +12,9 @@ number of runs; a store that is down only delays it.
 from __future__ import annotations
 
 import logging
-import threading
 
 from timwatch.monitor.core.errors import TimwatchError
+from timwatch.monitor.service.background import BackgroundThread
 from timwatch.monitor.service.runs import RunRegistry
 from timwatch.monitor.store import Store
 
@@ -25,24 +25,14 @@ FINISH_SYNC_INTERVAL_S = 5.0
 log = logging.getLogger("timwatch.api")
 
 
-class FinishSync:
+class FinishSync(BackgroundThread):
     """Copies store finishes into `runs` every `interval` seconds until `stop`."""
 
     def __init__(
         self, store: Store, runs: RunRegistry, interval: float = FINISH_SYNC_INTERVAL_S
     ) -> None:
+        super().__init__("timwatch-finish")
         self.store, self.runs, self.interval = store, runs, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="timwatch-finish", daemon=True)
-
-    def start(self) -> FinishSync:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 1.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
 
     def sync_once(self) -> list[str]:
         """One pass: the runs newly marked finished."""

@@ -9,12 +9,12 @@ the last write attempt or the last ping failed.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 from timwatch.monitor.core.errors import StoreUnavailable
 from timwatch.monitor.service.admission import InflightBudget
+from timwatch.monitor.service.background import BackgroundThread
 from timwatch.monitor.service.runs import RunRegistry
 from timwatch.monitor.service.settings import Settings
 from timwatch.monitor.store import Store
@@ -25,24 +25,13 @@ PING_INTERVAL_S = 5.0
 PING_TIMEOUT_S = 5.0
 
 
-class Pinger:
+class Pinger(BackgroundThread):
     """Pings `store` every `interval` seconds on a daemon thread until `stop`."""
 
     def __init__(self, store: Store, interval: float = PING_INTERVAL_S) -> None:
+        super().__init__("timwatch-ping")
         self.store, self.interval = store, interval
-        self._stop = threading.Event()
         self._started: float | None = None  # monotonic start of the ping in flight
-        self._thread = threading.Thread(target=self._loop, name="timwatch-ping", daemon=True)
-
-    def start(self) -> Pinger:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 1.0) -> None:
-        """Stop pinging; waits up to `timeout` for a ping in flight (before the store closes)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
