@@ -13,23 +13,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from operator import itemgetter
 from typing import Any, cast
 
-from sqlalchemy import Table, func, insert, select
+from sqlalchemy import Connection, Table, insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from timwatch.monitor.core.errors import StoreUnavailable
+from timwatch.monitor.store import reads
 from timwatch.monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
 from timwatch.monitor.store.health import WriteHealth, WriterLock
 from timwatch.monitor.store.models import (
     METRIC_COLUMNS,
-    BatchRecord,
     Event,
     Run,
-    StepDetail,
-    steps_table,
 )
 from timwatch.monitor.store.series import SeriesMismatch, jsonable, read_series
 from timwatch.monitor.store.totals import SeedRow, Tally, seed_rows
@@ -38,8 +35,6 @@ from timwatch.monitor.store.writes import finish_run, flatten_row, replay_of, wr
 __all__ = ["Store", "StoreUnavailable", "flatten_row"]
 
 _runs = cast(Table, Run.__table__)
-_details = cast(Table, StepDetail.__table__)
-_batches = cast(Table, BatchRecord.__table__)
 _events = cast(Table, Event.__table__)
 _RETRIES = 8
 
@@ -196,33 +191,15 @@ class Store:
             self._guard(go)
 
     # -- reads ----------------------------------------------------------------------------------
-    def list_runs(self) -> list[dict[str, Any]]:
-        def go() -> list[dict[str, Any]]:
-            counts = (
-                select(steps_table.c.run_id, func.count().label("steps"))
-                .group_by(steps_table.c.run_id)
-                .subquery()
-            )
-            stmt = (
-                select(_runs, func.coalesce(counts.c.steps, 0).label("steps"))
-                .outerjoin(counts, counts.c.run_id == _runs.c.id)
-                .order_by(_runs.c.last_seen.desc())
-            )
+    def _read(self, fn: Callable[[Connection], Any]) -> Any:
+        def go() -> Any:
             with self.engine.connect() as conn:
-                return [
-                    {
-                        "run": r.id,
-                        "first_seen": r.first_seen,
-                        "last_seen": r.last_seen,
-                        "last_step": r.last_step,
-                        "steps": int(r.steps),
-                        "tags": r.tags or {},
-                        "finished_at": r.finished_at,
-                    }
-                    for r in conn.execute(stmt)
-                ]
+                return fn(conn)
 
         return self._guard(go)
+
+    def list_runs(self) -> list[dict[str, Any]]:
+        return cast(list[dict[str, Any]], self._read(reads.list_runs))
 
     def finished_runs(self, runs: Sequence[str]) -> dict[str, float]:
         """``{run: finished_at}`` for those of `runs` the store holds as finished."""
@@ -252,48 +229,19 @@ class Store:
         to_step: int | None = None,
         last: int | None = None,
     ) -> tuple[list[int], dict[str, list[Any]]]:
-        """Columns ``names`` of ``run`` ordered by step (the last ``last`` steps if given)."""
+        """Columns ``names`` of ``run`` ordered by step (the last ``last`` steps if given);
+        `KeyError` naming the first name that is not a metric column."""
         unknown = [n for n in names if n not in METRIC_COLUMNS]
         if unknown:
             raise KeyError(unknown[0])
-        # The one hot read path: plain DBAPI cursor (SQLAlchemy's row processing costs 3x here
-        # on 100k rows); names are whitelisted above and quoted by the dialect.
-        quote = self.engine.dialect.identifier_preparer.quote
-        ph = (lambda k: f":{k}") if self.sqlite else (lambda k: f"%({k})s")
-        where = [f"run_id = {ph('run')}"]
-        params: dict[str, Any] = {"run": run}
-        if from_step is not None:
-            where.append(f"step >= {ph('lo')}")
-            params["lo"] = from_step
-        if to_step is not None:
-            where.append(f"step <= {ph('hi')}")
-            params["hi"] = to_step
-        sql = f"SELECT step, {', '.join(quote(n) for n in names)} FROM steps WHERE "
-        sql += " AND ".join(where)
-        if last is not None:
-            sql += f" ORDER BY step DESC LIMIT {int(last)}"
-        else:
-            sql += " ORDER BY step"
-
-        def go() -> tuple[list[int], dict[str, list[Any]]]:
-            with self.engine.connect() as conn:
-                raw = conn.connection.dbapi_connection
-                assert raw is not None
-                cur = raw.cursor()
-                try:
-                    cur.execute(sql, params)
-                    rows = list(cur.fetchall())
-                finally:
-                    cur.close()
-            if last is not None:
-                rows.reverse()
-            if not rows:
-                return [], {n: [] for n in names}
-            # itemgetter columns: ~6x cheaper than zip(*rows) on 100k rows
-            steps = list(map(itemgetter(0), rows))
-            return steps, {n: list(map(itemgetter(i), rows)) for i, n in enumerate(names, 1)}
-
-        return self._guard(go)
+        return cast(
+            tuple[list[int], dict[str, list[Any]]],
+            self._read(
+                lambda c: reads.read_metrics(
+                    c, run, names, from_step=from_step, to_step=to_step, last=last
+                )
+            ),
+        )
 
     def query_series(
         self,
@@ -328,103 +276,27 @@ class Store:
             return self.query_metrics(run, names, from_step=from_step, to_step=to_step, last=last)
 
     def get_step(self, run: str, step: int) -> dict[str, Any] | None:
-        stmt = (
-            select(
-                steps_table.c.batches,
-                steps_table.c.updated_at,
-                _details.c.row,
-            )
-            .join(
-                _details,
-                (_details.c.run_id == steps_table.c.run_id)
-                & (_details.c.step == steps_table.c.step),
-            )
-            .where(steps_table.c.run_id == run, steps_table.c.step == step)
-        )
-
-        def go() -> dict[str, Any] | None:
-            with self.engine.connect() as conn:
-                r = conn.execute(stmt).first()
-            if r is None:
-                return None
-            return {
-                "run": run,
-                "step": step,
-                "batches": r.batches,
-                "updated_at": r.updated_at,
-                "row": r.row,
-            }
-
-        return self._guard(go)
+        return cast(dict[str, Any] | None, self._read(lambda c: reads.step_row(c, run, step)))
 
     def step_details(
         self, run: str, *, from_step: int | None = None, to_step: int | None = None, last: int
     ) -> list[dict[str, Any]]:
-        """The detail columns (``length_buckets``, ``lag_buckets``, ``heatmap``,
-        ``worst_tokens``) with ``step`` of the last ``last`` steps in the inclusive range,
-        ordered by step."""
-        d = _details.c
-        stmt = select(d.step, d.length_buckets, d.lag_buckets, d.heatmap, d.worst_tokens)
-        stmt = stmt.where(d.run_id == run)
-        if from_step is not None:
-            stmt = stmt.where(d.step >= from_step)
-        if to_step is not None:
-            stmt = stmt.where(d.step <= to_step)
-        stmt = stmt.order_by(d.step.desc()).limit(last)
+        """See `reads.step_details`."""
 
-        def go() -> list[dict[str, Any]]:
-            with self.engine.connect() as conn:
-                return [dict(r._mapping) for r in conn.execute(stmt)][::-1]
+        def go(c: Connection) -> list[dict[str, Any]]:
+            return reads.step_details(c, run, from_step=from_step, to_step=to_step, last=last)
 
-        return self._guard(go)
+        return cast(list[dict[str, Any]], self._read(go))
 
     def get_step_state(self, run: str, step: int) -> dict[str, Any] | None:
         """The stored accumulator state of a step (for exact re-derivation and tests)."""
-
-        def go() -> dict[str, Any] | None:
-            with self.engine.connect() as conn:
-                r = conn.execute(
-                    select(_details.c.state).where(
-                        _details.c.run_id == run, _details.c.step == step
-                    )
-                ).first()
-            return None if r is None else r.state
-
-        return self._guard(go)
+        return cast(dict[str, Any] | None, self._read(lambda c: reads.step_state(c, run, step)))
 
     def list_events(self, run: str, limit: int = 100) -> list[dict[str, Any]]:
-        stmt = (
-            select(_events)
-            .where(_events.c.run_id == run)
-            .order_by(_events.c.ts.desc(), _events.c.id.desc())
-            .limit(limit)
-        )
-
-        def go() -> list[dict[str, Any]]:
-            with self.engine.connect() as conn:
-                return [
-                    {
-                        "ts": e.ts,
-                        "kind": e.kind,
-                        "step": e.step,
-                        "message": e.message,
-                        "data": e.data,
-                    }
-                    for e in conn.execute(stmt)
-                ]
-
-        return self._guard(go)
+        return cast(list[dict[str, Any]], self._read(lambda c: reads.list_events(c, run, limit)))
 
     def count_batches(self, run: str) -> int:
-        def go() -> int:
-            with self.engine.connect() as conn:
-                return int(
-                    conn.execute(
-                        select(func.count()).select_from(_batches).where(_batches.c.run_id == run)
-                    ).scalar_one()
-                )
-
-        return self._guard(go)
+        return int(self._read(lambda c: reads.count_batches(c, run)))
 
 
 def _is_conn(e: DBAPIError) -> bool:
