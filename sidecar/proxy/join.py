@@ -288,7 +288,7 @@ class Joiner:
                 self._join_from_peers([pend])
             finally:
                 with self._lock:
-                    self._inflight.discard(key)  # type: ignore[arg-type]
+                    self._inflight.discard(key)
         with self._lock:
             if pend.waiting:
                 self._pending.append(pend)
