@@ -176,7 +176,8 @@ class PeerClient:
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)),
             limits=httpx.Limits(max_connections=4 * max(1, len(self.urls))),
         )
-        self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="peer-take")
+        # several reports (trainer ranks) may fan out at once: 4 takes in flight per peer
+        self._pool = ThreadPoolExecutor(4 * max(1, len(self.urls)), thread_name_prefix="peer-take")
         self._lock = threading.Lock()
         self._stats = {u: {"requests": 0, "errors": 0, "taken": 0} for u in self.urls}
         self._last_error: dict[str, str] = {}

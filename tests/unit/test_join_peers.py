@@ -191,3 +191,14 @@ def test_peer_client_skips_its_own_address_and_survives_a_dead_peer() -> None:
         assert stats["requests"] == stats["errors"] == 1 and stats["last_error"]
     finally:
         client.close()
+
+
+def test_peer_without_monitor_is_refused_by_the_command() -> None:
+    from typer.testing import CliRunner
+
+    from timwatch.sidecar.cli import sidecar_app
+
+    args = ["sglang", "--upstream", "http://127.0.0.1:1", "--peer", "http://127.0.0.1:2"]
+    result = CliRunner().invoke(sidecar_app, args)
+    assert result.exit_code == 2
+    assert "--peer needs --monitor" in result.output
