@@ -22,14 +22,13 @@ new report and by a background sweep); then what joined is forwarded and the res
 counter). Complete batches go to the monitor through `Tap` (bounded queue, retries,
 idempotent batch ids), one tap per run.
 
-With ``peers`` (several proxies behind one router, `proxy.peers`), the samples this proxy does
-not hold are taken from the peers that do, outside the lock: the report is still joined and
-forwarded as one batch by the proxy that received it, so only that proxy counts what no proxy
-held as ``unjoined_samples``.
+With ``peers`` (N proxies behind one router, `proxy.peers`) what this proxy lacks is taken from
+the peers, outside the lock; the report is still forwarded as one batch by this proxy alone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +43,8 @@ from timwatch.sidecar.proxy.capture import CaptureStore
 from timwatch.sidecar.proxy.records import RolloutRecord
 
 __all__ = ["JoinError", "Joiner", "JoinedSample", "parse_report"]
+
+log = logging.getLogger(__name__)
 
 _OPTIONAL_FLOATS = ("entropy", "logp_old", "logp_teacher")
 
@@ -77,8 +78,7 @@ class _Pending:
     joined: dict[int, JoinedSample] = field(default_factory=dict)
 
 
-# Takes the records of these samples from the peers: ({index in the list: record}, records
-# taken that no sample in the list wants any more).
+# keys -> ({index of a key: its record}, records taken that no key wants any more)
 PeerTake = Callable[[list[str | list[int]]], tuple[dict[int, RolloutRecord], list[RolloutRecord]]]
 
 
@@ -272,8 +272,7 @@ class Joiner:
             key = (run, batch_id) if batch_id is not None else None
             if key is not None and (key in self._seen or key in self._inflight):
                 self.counters["replayed_reports"] += 1
-                seen = self._seen.get(key, {"status": "pending", "joined": 0})
-                return {**seen, "replayed": True}
+                return {**self._seen.get(key, {"status": "pending"}), "replayed": True}
             self.counters["reports"] += 1
             pend = _Pending(
                 run, step, version, batch_id, self._clock() + self.report_ttl_s,
@@ -305,8 +304,7 @@ class Joiner:
         return {**answer, "replayed": False}
 
     def sweep(self) -> None:
-        """Retry pending reports and expire the old ones (called periodically). With peers,
-        what is still missing is asked of them once per sweep, in one request per peer."""
+        """Retry pending reports (with peers: one request per peer) and expire the old ones."""
         with self._lock:
             self._sweep_locked()
             claimed: list[_Pending] = []
@@ -329,15 +327,17 @@ class Joiner:
         local store, so nothing a peer handed over is lost."""
         assert self.peers is not None
         wanted = [(pend, pos, s) for pend in pends for pos, s in pend.waiting]
-        found, surplus = self.peers([_key(s) for _, _, s in wanted])
+        try:
+            found, surplus = self.peers([_key(s) for _, _, s in wanted])
+        except Exception:  # noqa: BLE001 - a failing peer must not fail the report
+            return log.exception("taking records from the peers failed")
         for i, record in found.items():
             pend, pos, sample = wanted[i]
             with self._lock:
                 self._attach(pend, pos, sample, record)
                 self.counters["peer_joined_samples"] += 1
-        if found:
-            for pend in pends:
-                pend.waiting = [(pos, s) for pos, s in pend.waiting if pos not in pend.joined]
+        for pend in pends:
+            pend.waiting = [(pos, s) for pos, s in pend.waiting if pos not in pend.joined]
         for record in surplus:
             self.capture.add(record)
 

@@ -202,3 +202,20 @@ def test_peer_without_monitor_is_refused_by_the_command() -> None:
     result = CliRunner().invoke(sidecar_app, args)
     assert result.exit_code == 2
     assert "--peer needs --monitor" in result.output
+
+
+def test_peers_raising_leave_the_report_pending_not_failed() -> None:
+    stores, sink, joiner, _, clock = three_proxies(report_ttl_s=5.0)
+
+    def broken(keys: list[Any]) -> Any:
+        raise RuntimeError("peer pool gone")
+
+    joiner.peers = broken
+    stores[0].add(record("here", [1, 2]))
+    answer = joiner.submit({"step": 1, "samples": [sample("here", [1, 2]), sample("x", [3])]})
+    assert answer["status"] == "pending" and answer["joined"] == 1
+    clock.t = 6.0
+    joiner.sweep()
+    (call,) = sink.calls  # what this proxy held still reaches the monitor
+    assert call["arrays"]["token_ids"].tolist() == [1, 2]
+    assert joiner.counters["unjoined_samples"] == 1
