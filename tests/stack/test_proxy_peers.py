@@ -16,6 +16,9 @@ the trainer posts every report to HAProxy too, so neither chooses a proxy. Check
   samples the dead proxy took with it are counted in ``unjoined_samples`` exactly once (by the
   proxy that received the report) and the rest of that step reaches the monitor; the next step,
   generated on the two survivors, joins completely.
+
+The same with SGLang's own router (the ``sglang-router`` package, which runs without a GPU) in
+front of two proxies, with its round-robin and its default cache-aware policy.
 """
 
 from __future__ import annotations
@@ -65,8 +68,14 @@ def haproxy_binary() -> str:
 
 
 class Stack:
-    def __init__(self, server: ServerProc, tmp: Path, stack: ExitStack) -> None:
-        self.server = server
+    """The stand-in engine, ``proxies`` proxies with ``--peer`` for each other (and, with
+    ``hung``, a peer that never answers) and the monitor; `front` adds HAProxy or SGLang's
+    router in front of them at `balancer`."""
+
+    def __init__(
+        self, server: ServerProc, stack: ExitStack, *, proxies: int = PROXIES, hung: bool = True
+    ) -> None:
+        self.server, self.stack = server, stack
         fport = free_port()
         self.engine = f"http://127.0.0.1:{fport}"
         stack.enter_context(
@@ -74,15 +83,16 @@ class Stack:
                 ["-m", "tests.helpers.fake_sglang", "--port", str(fport)], f"{self.engine}/health"
             )
         )
-        # a peer that accepts connections (the kernel's backlog) and never answers
-        self.hung = socket.socket()
-        self.hung.bind(("127.0.0.1", 0))
-        self.hung.listen(64)
-        stack.callback(self.hung.close)
-        hung_url = f"http://127.0.0.1:{self.hung.getsockname()[1]}"
-        ports = [free_port() for _ in range(PROXIES)]
+        extra = []
+        if hung:  # a peer that accepts connections (the kernel's backlog) and never answers
+            self.hung = socket.socket()
+            self.hung.bind(("127.0.0.1", 0))
+            self.hung.listen(64)
+            stack.callback(self.hung.close)
+            extra = [f"http://127.0.0.1:{self.hung.getsockname()[1]}"]
+        ports = [free_port() for _ in range(proxies)]
         self.proxies = [f"http://127.0.0.1:{p}" for p in ports]
-        peers = [a for url in [*self.proxies, hung_url] for a in ("--peer", url)]
+        peers = [a for url in [*self.proxies, *extra] for a in ("--peer", url)]
         self.procs: list[subprocess.Popen[bytes]] = []
         for port, url in zip(ports, self.proxies, strict=True):
             args = [
@@ -92,6 +102,9 @@ class Stack:
                 *peers,
             ]  # fmt: skip
             self.procs.append(stack.enter_context(running_process(args, f"{url}/timwatch/healthz")))
+        self.balancer = ""
+
+    def haproxy(self, tmp: Path) -> None:
         hport = free_port()
         self.balancer = f"http://127.0.0.1:{hport}"
         cfg = tmp / "haproxy.cfg"
@@ -101,8 +114,19 @@ class Stack:
         subprocess.run([haproxy_binary(), "-c", "-q", "-f", str(cfg)], check=True)
         log = (tmp / "haproxy.log").open("wb")
         ha = subprocess.Popen([haproxy_binary(), "-db", "-f", str(cfg)], stdout=log, stderr=log)
-        stack.callback(stop_process, ha)
-        self.wait_backends(PROXIES)
+        self.stack.callback(stop_process, ha)
+        self.wait_backends(len(self.proxies))
+
+    def sglang_router(self, policy: str) -> None:
+        """SGLang's own router (``sglang-router``, Rust; it needs no GPU) with the proxies as
+        its workers."""
+        rport = free_port()
+        self.balancer = f"http://127.0.0.1:{rport}"
+        args = [
+            "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(rport),
+            "--worker-urls", *self.proxies, "--policy", policy, "--log-level", "warn",
+        ]  # fmt: skip
+        self.stack.enter_context(running_process(args, f"{self.balancer}/health"))
 
     def wait_backends(self, n: int) -> None:
         """Until `n` consecutive requests through HAProxy reached `n` different proxies."""
@@ -122,9 +146,9 @@ class Stack:
         pytest.fail(f"HAProxy never spread over {n} proxies")
 
     def generate(self, rids: list[str], prompt_of: int) -> dict[str, list[int]]:
-        """One request per rid through HAProxy, each on a new connection as concurrent rollout
-        clients would be (HAProxy balances a connection's first request; the next ones on a
-        kept-alive connection may stay on its proxy); the sampled ids of each."""
+        """One request per rid through the balancer, each on a new connection as concurrent
+        rollout clients would be (HAProxy balances a connection's first request; the next ones
+        on a kept-alive connection may stay on its proxy); the sampled ids of each."""
         out = {}
         for k, rid in enumerate(rids):
             body = {
@@ -138,20 +162,24 @@ class Stack:
             out[rid] = list(r.json()["output_ids"])
         return out
 
-    def report(self, step: int, outputs: dict[str, list[int]]) -> tuple[int, dict[str, Any]]:
-        """Post the trainer's report through HAProxy: (index of the proxy it landed on, answer)."""
+    def report(
+        self, step: int, outputs: dict[str, list[int]], to: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """Post the trainer's report through HAProxy (or to ``to``): (index of the proxy it
+        landed on, answer)."""
         samples = [
             {"rid": rid, "token_ids": ids, "logp_train": [-0.5] * len(ids),
              "entropy": [1.0] * len(ids)}
             for rid, ids in outputs.items()
         ]  # fmt: skip
         r = httpx.post(
-            f"{self.balancer}/timwatch/v1/trainer_reports",
+            f"{to or self.balancer}/timwatch/v1/trainer_reports",
             json={"step": step, "samples": samples},
             timeout=30,
         )
         assert r.status_code == 200, r.text
-        return int(r.headers["X-Timwatch-Proxy"].removeprefix("proxy-")), dict(r.json())
+        landed = self.proxies.index(to) if to else int(r.headers["X-Timwatch-Proxy"][6:])
+        return landed, dict(r.json())
 
     def held(self, proxy: str) -> set[str]:
         got = httpx.get(f"{proxy}/timwatch/records", timeout=10).json()["records"]
@@ -175,7 +203,9 @@ class Stack:
 @pytest.fixture
 def stack(server: ServerProc, tmp_path: Path) -> Iterator[Stack]:
     with ExitStack() as es:
-        yield Stack(server, tmp_path, es)
+        s = Stack(server, es)
+        s.haproxy(tmp_path)
+        yield s
 
 
 def total(joins: list[dict[str, Any]], key: str) -> int:
@@ -241,3 +271,26 @@ def test_round_robin_proxies_join_everything_and_count_a_dead_ones_samples(stack
     joins = stack.joins([0, 1])
     assert total(joins, "unjoined_samples") == len(lost)
     assert total(joins, "joined_samples") == joined_before + 8
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
+def test_sglang_router_in_front_of_the_proxies(server: ServerProc, policy: str) -> None:
+    """SGLang's router routes only SGLang's own paths (``/timwatch/...`` answers 404), so the
+    trainer posts its report to one proxy's own address; the peers do the rest."""
+    with ExitStack() as es:
+        stack = Stack(server, es, proxies=2, hung=False)
+        stack.sglang_router(policy)
+        sent = stack.generate([f"{policy}-{k}" for k in range(10)], prompt_of=0)
+        holders = [stack.held(p) for p in stack.proxies]
+        assert set().union(*holders) == set(sent)
+        if policy == "round_robin":
+            assert all(holders), [len(h) for h in holders]
+        lost = httpx.post(f"{stack.balancer}/timwatch/v1/trainer_reports", json={}, timeout=10)
+        assert lost.status_code == 404
+        _, answer = stack.report(1, sent, to=stack.proxies[0])
+        assert answer["status"] == "forwarded" and answer["joined"] == 10, answer
+        detail = stack.step_row(1, 10)
+        assert detail["row"]["tokens"] == sum(len(v) for v in sent.values())
+        joins = stack.joins([0, 1])
+        assert total(joins, "unjoined_samples") == 0
+        assert total(joins, "peer_joined_samples") == len(holders[1])
