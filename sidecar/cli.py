@@ -45,6 +45,14 @@ _REPORT_TTL = typer.Option(
     60.0, "--report-ttl", help="Seconds a trainer report waits for its rollout records"
 )
 
+_PEERS = typer.Option(
+    None,
+    "--peer",
+    help="URL of another proxy behind the same router (repeat it; needs --monitor): report "
+    "samples this proxy does not hold are taken from the peers",
+    show_default=False,
+)
+
 
 def _check_runs(run: str, *derived: str) -> None:
     """Refuse a --run the monitor would refuse every batch of; with ``derived`` (runs named
@@ -101,12 +109,17 @@ def sglang(
     probe_flush_s: float = typer.Option(
         10.0, "--probe-flush", min=0.01, help="Seconds before a partial probe batch is sent"
     ),
+    peers: list[str] | None = _PEERS,
+    peer_timeout_s: float = typer.Option(
+        5.0, "--peer-timeout", min=0.01, help="Seconds one take request to a peer may last"
+    ),
 ) -> None:
     """Reverse proxy in front of SGLang that captures μ, ids and versions per sample.
 
     With --monitor it also accepts trainer reports on POST /timwatch/v1/trainer_reports (joined
     batches go to run --run) and, with --probe-rate > 0, sends decode-vs-prefill probes to run
-    <run>-prefill-probe.
+    <run>-prefill-probe. With --peer, N proxies behind one router join every report wherever
+    its samples were captured.
     """
     from timwatch.sidecar.proxy.join_http import install_join
     from timwatch.sidecar.proxy.probe_forward import PROBE_RUN_SUFFIX, install_probe_forward
@@ -114,6 +127,8 @@ def sglang(
 
     host, port = _split_listen(listen)
     _check_runs(run, run + PROBE_RUN_SUFFIX)
+    if peers and not monitor:
+        raise typer.BadParameter("--peer needs --monitor (peers join trainer reports)")
     app = create_app(
         upstream,
         monitor=monitor,
@@ -125,7 +140,16 @@ def sglang(
         max_held_bytes=max_held_bytes,
     )
     if monitor:
-        install_join(app, monitor=monitor, run=run, token=token, report_ttl_s=report_ttl_s)
+        install_join(
+            app,
+            monitor=monitor,
+            run=run,
+            token=token,
+            report_ttl_s=report_ttl_s,
+            peers=peers or (),
+            peer_timeout_s=peer_timeout_s,
+            self_url=f"http://{host}:{port}",
+        )
         if probe_rate > 0.0:
             install_probe_forward(
                 app,

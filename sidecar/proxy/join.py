@@ -21,10 +21,14 @@ new report and by a background sweep); then what joined is forwarded and the res
 ``unjoined_samples``. Records nobody claims expire in the capture store (its ``expired``
 counter). Complete batches go to the monitor through `Tap` (bounded queue, retries,
 idempotent batch ids), one tap per run.
+
+With ``peers`` (N proxies behind one router, `proxy.peers`) what this proxy lacks is taken from
+the peers, outside the lock; the report is still forwarded as one batch by this proxy alone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +43,8 @@ from timwatch.sidecar.proxy.capture import CaptureStore
 from timwatch.sidecar.proxy.records import RolloutRecord
 
 __all__ = ["JoinError", "Joiner", "JoinedSample", "parse_report"]
+
+log = logging.getLogger(__name__)
 
 _OPTIONAL_FLOATS = ("entropy", "logp_old", "logp_teacher")
 
@@ -70,6 +76,10 @@ class _Pending:
     deadline: float
     waiting: list[tuple[int, _Sample]]  # (position in report, sample) not joined yet
     joined: dict[int, JoinedSample] = field(default_factory=dict)
+
+
+# keys -> ({index of a key: its record}, records taken that no key wants any more)
+PeerTake = Callable[[list[str | list[int]]], tuple[dict[int, RolloutRecord], list[RolloutRecord]]]
 
 
 def _float_list(where: str, value: Any) -> np.ndarray:
@@ -220,8 +230,10 @@ class Joiner:
         rollout_entropy: bool = False,
         report_ttl_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        peers: PeerTake | None = None,
     ) -> None:
         self.capture = capture
+        self.peers = peers
         self.forward = forward
         self.default_run = default_run
         self.rollout_entropy = rollout_entropy
@@ -229,6 +241,7 @@ class Joiner:
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
+        self._inflight: set[tuple[str, str]] = set()  # batch ids being joined with peers
         self._seen: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
         self.counters = {
             "reports": 0,
@@ -241,6 +254,7 @@ class Joiner:
             "empty_samples": 0,
             "forwarded_batches": 0,
             "forward_errors": 0,
+            "peer_joined_samples": 0,
         }
 
     def submit(self, body: Any) -> dict[str, Any]:
@@ -255,15 +269,26 @@ class Joiner:
                         "entropy (start it with --topk K for a top-k bound)",
                     )
         with self._lock:
-            if batch_id is not None and (run, batch_id) in self._seen:
+            key = (run, batch_id) if batch_id is not None else None
+            if key is not None and (key in self._seen or key in self._inflight):
                 self.counters["replayed_reports"] += 1
-                return {**self._seen[(run, batch_id)], "replayed": True}
+                return {**self._seen.get(key, {"status": "pending"}), "replayed": True}
             self.counters["reports"] += 1
             pend = _Pending(
                 run, step, version, batch_id, self._clock() + self.report_ttl_s,
                 list(enumerate(samples)),
             )  # fmt: skip
             self._try_join(pend)
+            ask_peers = bool(pend.waiting) and self.peers is not None
+            if ask_peers and key is not None:
+                self._inflight.add(key)
+        if ask_peers:
+            try:
+                self._join_from_peers([pend])
+            finally:
+                with self._lock:
+                    self._inflight.discard(key)
+        with self._lock:
             if pend.waiting:
                 self._pending.append(pend)
                 answer = {"status": "pending", "joined": len(pend.joined)}
@@ -272,17 +297,49 @@ class Joiner:
                 answer = {"status": "forwarded", **self._finish(pend)}
             self._sweep_locked()
             self.counters["pending_reports"] = len(self._pending)
-            if batch_id is not None:
-                self._seen[(run, batch_id)] = answer
+            if key is not None:
+                self._seen[key] = answer
                 while len(self._seen) > 10_000:
                     self._seen.popitem(last=False)
         return {**answer, "replayed": False}
 
     def sweep(self) -> None:
-        """Retry pending reports and expire the old ones (called periodically)."""
+        """Retry pending reports (with peers: one request per peer) and expire the old ones."""
         with self._lock:
             self._sweep_locked()
-            self.counters["pending_reports"] = len(self._pending)
+            claimed: list[_Pending] = []
+            if self.peers is not None and self._pending:
+                claimed, self._pending = self._pending, []
+            self.counters["pending_reports"] = len(self._pending) + len(claimed)
+        if not claimed:
+            return
+        try:
+            self._join_from_peers(claimed)
+        finally:
+            with self._lock:
+                self._pending.extend(claimed)
+                self._sweep_locked()
+                self.counters["pending_reports"] = len(self._pending)
+
+    def _join_from_peers(self, pends: list[_Pending]) -> None:
+        """Join the waiting samples of ``pends`` (owned by the caller, not in ``_pending``)
+        with records taken from the peers. Records taken but no longer wanted go into the
+        local store, so nothing a peer handed over is lost."""
+        assert self.peers is not None
+        wanted = [(pend, pos, s) for pend in pends for pos, s in pend.waiting]
+        try:
+            found, surplus = self.peers([_key(s) for _, _, s in wanted])
+        except Exception:  # noqa: BLE001 - a failing peer must not fail the report
+            return log.exception("taking records from the peers failed")
+        for i, record in found.items():
+            pend, pos, sample = wanted[i]
+            with self._lock:
+                self._attach(pend, pos, sample, record)
+                self.counters["peer_joined_samples"] += 1
+        for pend in pends:
+            pend.waiting = [(pos, s) for pos, s in pend.waiting if pos not in pend.joined]
+        for record in surplus:
+            self.capture.add(record)
 
     def _sweep_locked(self) -> None:
         now = self._clock()
@@ -312,15 +369,18 @@ class Joiner:
                 record = self.capture.pop_by_tokens(sample.token_ids)
             if record is None:
                 left.append((pos, sample))
-                continue
-            length = min(record.num_tokens, len(sample.logp_train))
-            if record.num_tokens != len(sample.logp_train):
-                self.counters["length_mismatch"] += 1
-            if length == 0:
-                self.counters["empty_samples"] += 1
-            pend.joined[pos] = JoinedSample(record, sample, length)
-            self.counters["joined_samples"] += 1
+            else:
+                self._attach(pend, pos, sample, record)
         pend.waiting = left
+
+    def _attach(self, pend: _Pending, pos: int, sample: _Sample, record: RolloutRecord) -> None:
+        length = min(record.num_tokens, len(sample.logp_train))
+        if record.num_tokens != len(sample.logp_train):
+            self.counters["length_mismatch"] += 1
+        if length == 0:
+            self.counters["empty_samples"] += 1
+        pend.joined[pos] = JoinedSample(record, sample, length)
+        self.counters["joined_samples"] += 1
 
     def _finish(self, pend: _Pending) -> dict[str, Any]:
         joined = [pend.joined[k] for k in sorted(pend.joined)]

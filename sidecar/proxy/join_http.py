@@ -5,7 +5,10 @@
 * ``POST /timwatch/v1/trainer_reports`` — a JSON trainer report (see `proxy.join`). Answers
   ``{"status": "forwarded"|"pending", "joined", ...}``; 422 with ``{"detail", "field"}`` for a
   malformed report (nothing is consumed from the capture store then).
-* ``GET /timwatch/v1/join`` — join counters, capture counters and each run's tap stats.
+* ``GET /timwatch/v1/join`` — join counters, capture counters, each run's tap stats and, with
+  peers, each peer's take counters (``peers``) and the records this proxy gave (``given``).
+* ``POST /timwatch/v1/peer/take`` — the peers' side of `proxy.peers` (always installed, so any
+  proxy with a join can be another's peer).
 
 It wraps the app's lifespan to run a sweep thread (pending reports retried, old ones expired)
 and to flush the taps on shutdown. Routes go in front of the proxy's catch-all pass-through.
@@ -18,7 +21,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,6 +33,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from timwatch.sidecar.proxy.join import Joiner, JoinError
+from timwatch.sidecar.proxy.peers import (
+    TAKE_PATH,
+    PeerClient,
+    encode_records,
+    parse_keys,
+    take_records,
+)
 from timwatch.sidecar.tap import Tap
 
 __all__ = ["TapForwarder", "install_join", "REPORTS_PATH"]
@@ -94,18 +104,25 @@ def install_join(
     token: str | None = None,
     report_ttl_s: float = 60.0,
     sweep_s: float = 0.5,
+    peers: Sequence[str] = (),
+    peer_timeout_s: float = 5.0,
+    self_url: str | None = None,
 ) -> Joiner:
-    """Add the trainer-report endpoints to a proxy app; returns its `Joiner`."""
+    """Add the trainer-report endpoints to a proxy app; returns its `Joiner`. ``peers`` are
+    the other proxies behind the same router (``self_url`` is dropped from them)."""
     state = app.state.proxy
     forwarder = TapForwarder(monitor, token or os.environ.get("TIMWATCH_TOKEN"))
+    peer_client = PeerClient(peers, timeout_s=peer_timeout_s, self_url=self_url) if peers else None
     joiner = Joiner(
         state.capture,
         forwarder,
         default_run=run,
         rollout_entropy=state.topk is not None,
         report_ttl_s=report_ttl_s,
+        peers=peer_client if peer_client is not None and peer_client.urls else None,
     )
     app.state.joiner, app.state.forwarder = joiner, forwarder
+    given = {"requests": 0, "records": 0}
 
     async def reports(request: Request) -> Response:
         raw = await request.body()
@@ -119,18 +136,31 @@ def install_join(
             return JSONResponse({"detail": str(exc), "field": exc.field}, 422)
         return JSONResponse(answer)
 
+    async def take(request: Request) -> Response:
+        try:
+            keys = parse_keys(json.loads(await request.body()))
+        except ValueError as exc:
+            return JSONResponse({"detail": str(exc), "field": "keys"}, 422)
+        taken = await run_in_threadpool(take_records, state.capture, keys)
+        given["requests"] += 1
+        given["records"] += len(taken)
+        return Response(encode_records(taken), media_type="application/octet-stream")
+
     async def join_stats(request: Request) -> Response:
         return JSONResponse(
             {
                 "join": dict(joiner.counters),
                 "capture": state.capture.counters.to_dict(),
                 "taps": forwarder.stats(),
+                "peers": peer_client.stats() if peer_client is not None else {},
+                "given": dict(given),
             }
         )
 
     app.router.routes[0:0] = [
         Route(REPORTS_PATH, reports, methods=["POST"]),
         Route("/timwatch/v1/join", join_stats, methods=["GET"]),
+        Route(TAKE_PATH, take, methods=["POST"]),
     ]
 
     inner = app.router.lifespan_context
@@ -155,6 +185,8 @@ def install_join(
                 thread.join(timeout=5.0)
                 await run_in_threadpool(joiner.sweep)
                 await run_in_threadpool(forwarder.close)
+                if peer_client is not None:
+                    peer_client.close()
 
     app.router.lifespan_context = lifespan
     return joiner

@@ -1,0 +1,226 @@
+"""Several proxies behind one router: a trainer report joins wherever its records were captured.
+
+One proxy is one Python process on one core, so a busy node runs N of them behind a router
+(HAProxy round robin, SGLang's router) that sends each ``/generate`` wherever it likes. Each
+proxy holds only the records it captured. With ``--peer URL`` (repeatable; the proxy's own
+``--listen`` address is skipped, so every proxy can be given the same list) the proxy that
+receives a trainer report joins what it holds, then asks every peer at once, in one request
+each, for the rest: ``POST /timwatch/v1/peer/take {"keys": [rid | token_ids, ...]}``. A peer
+pops what it holds and answers the records (`encode_records`); the receiving proxy joins them
+and forwards the report as one batch, as a single proxy would. What no reachable peer holds
+stays pending, is asked for again on each sweep, and after ``--report-ttl`` is counted in
+``unjoined_samples`` by the receiving proxy alone (once, not once per proxy).
+
+A peer that is down or slower than ``--peer-timeout`` counts as holding nothing for that try
+(``errors`` in `PeerClient.stats`); the report path never fails because of it. Records a peer
+popped but whose answer never arrived are gone with the answer, and their samples end up in
+``unjoined_samples``: counted, never silently dropped.
+
+Wire format of the take answer (``application/octet-stream``): an 8-byte little-endian length,
+that many bytes of JSON ``{"records": [{"i", "rid", "n", "n_in", ...}]}``, then per record its
+arrays as raw little-endian bytes: output ids (int64 × n), log-probs (float64 × n), prompt ids
+(int64 × n_in, when present), entropy lower and tail bounds (float64 × n, when present).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import numpy as np
+
+from timwatch.sidecar.proxy.capture import CaptureStore
+from timwatch.sidecar.proxy.records import RolloutRecord
+
+__all__ = ["TAKE_PATH", "PeerClient", "decode_records", "encode_records", "take_records"]
+
+log = logging.getLogger(__name__)
+
+TAKE_PATH = "/timwatch/v1/peer/take"
+_HEADER = struct.Struct("<Q")
+_SCALARS = (
+    "finish_reason",
+    "weight_version",
+    "entropy_source",
+    "created",
+    "engine",
+    "sampling",
+    "logprobs_mode",
+)
+
+
+def _runs(versions: Sequence[str | None]) -> list[list[Any]]:
+    runs: list[list[Any]] = []
+    for label in versions:
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return runs
+
+
+def encode_records(records: Sequence[tuple[int, RolloutRecord]]) -> bytes:
+    """``(index in the request, record)`` pairs as the take answer's bytes."""
+    heads: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for i, rec in records:
+        head: dict[str, Any] = {"i": i, "rid": rec.rid, "n": rec.num_tokens}
+        head["n_in"] = None if rec.input_ids is None else len(rec.input_ids)
+        head["el"], head["et"] = rec.entropy_lower is not None, rec.entropy_tail is not None
+        head["runs"] = _runs(rec.versions)
+        head.update({k: getattr(rec, k) for k in _SCALARS})
+        heads.append(head)
+        chunks.append(np.asarray(rec.output_ids, "<i8").tobytes())
+        chunks.append(np.asarray(rec.logp, "<f8").tobytes())
+        for arr, dtype in (
+            (rec.input_ids, "<i8"),
+            (rec.entropy_lower, "<f8"),
+            (rec.entropy_tail, "<f8"),
+        ):
+            if arr is not None:
+                chunks.append(np.asarray(arr, dtype).tobytes())
+    header = json.dumps({"records": heads}).encode()
+    return b"".join([_HEADER.pack(len(header)), header, *chunks])
+
+
+def decode_records(data: bytes) -> list[tuple[int, RolloutRecord]]:
+    """Inverse of `encode_records`; raises ``ValueError`` on bytes it did not produce."""
+    if len(data) < _HEADER.size:
+        raise ValueError("take answer shorter than its header")
+    (size,) = _HEADER.unpack_from(data)
+    heads = json.loads(data[_HEADER.size : _HEADER.size + size])["records"]
+    view, at = memoryview(data), _HEADER.size + size
+    out: list[tuple[int, RolloutRecord]] = []
+
+    def take(count: int, dtype: str) -> tuple[Any, ...]:
+        nonlocal at
+        end = at + 8 * count
+        if end > len(data):
+            raise ValueError("take answer truncated")
+        arr = np.frombuffer(view[at:end], dtype=dtype)
+        at = end
+        return tuple(arr.tolist())
+
+    for h in heads:
+        n = int(h["n"])
+        output_ids, logp = take(n, "<i8"), take(n, "<f8")
+        input_ids = None if h["n_in"] is None else take(int(h["n_in"]), "<i8")
+        versions: list[str | None] = []
+        for label, count in h["runs"]:
+            versions += [label] * int(count)
+        rec = RolloutRecord(
+            rid=str(h["rid"]),
+            input_ids=input_ids,
+            output_ids=output_ids,
+            logp=logp,
+            versions=tuple(versions),
+            entropy_lower=take(n, "<f8") if h["el"] else None,
+            entropy_tail=take(n, "<f8") if h["et"] else None,
+            **{k: h[k] for k in _SCALARS},
+        )
+        out.append((int(h["i"]), rec))
+    if at != len(data):
+        raise ValueError("take answer has trailing bytes")
+    return out
+
+
+def parse_keys(body: Any) -> list[str | list[int]]:
+    """The ``keys`` of a take request; raises ``ValueError`` naming the first bad one."""
+    keys = body.get("keys") if isinstance(body, dict) else None
+    if not isinstance(keys, list):
+        raise ValueError("keys must be a list of rids or token-id lists")
+    for i, key in enumerate(keys):
+        ok = (isinstance(key, str) and key) or (
+            isinstance(key, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in key)
+        )
+        if not ok:
+            raise ValueError(f"keys[{i}] must be a rid or a list of token ids")
+    return keys
+
+
+def take_records(
+    capture: CaptureStore, keys: Sequence[str | list[int]]
+) -> list[tuple[int, RolloutRecord]]:
+    """Pop from ``capture`` every record one of ``keys`` names: (index of its key, record)."""
+    out: list[tuple[int, RolloutRecord]] = []
+    for i, key in enumerate(keys):
+        rec = capture.pop_by_rid(key) if isinstance(key, str) else capture.pop_by_tokens(key)
+        if rec is not None:
+            out.append((i, rec))
+    return out
+
+
+def _address(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/").lower()
+
+
+class PeerClient:
+    """The `Joiner`'s ``peers``: asks every peer at once for the records of a key list.
+
+    Returns ``({index: record}, surplus)``; a key two peers answered (equal token ids captured
+    twice) keeps the first record, the others are surplus (the joiner stores them locally)."""
+
+    def __init__(
+        self, urls: Sequence[str], *, timeout_s: float = 5.0, self_url: str | None = None
+    ) -> None:
+        me = _address(self_url) if self_url else None
+        self.urls = list(dict.fromkeys(u.rstrip("/") for u in urls if _address(u) != me))
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)),
+            limits=httpx.Limits(max_connections=4 * max(1, len(self.urls))),
+        )
+        # several reports (trainer ranks) may fan out at once: 4 takes in flight per peer
+        self._pool = ThreadPoolExecutor(4 * max(1, len(self.urls)), thread_name_prefix="peer-take")
+        self._lock = threading.Lock()
+        self._stats = {u: {"requests": 0, "errors": 0, "taken": 0} for u in self.urls}
+        self._last_error: dict[str, str] = {}
+
+    def __call__(
+        self, keys: list[str | list[int]]
+    ) -> tuple[dict[int, RolloutRecord], list[RolloutRecord]]:
+        found: dict[int, RolloutRecord] = {}
+        surplus: list[RolloutRecord] = []
+        if not keys or not self.urls:
+            return found, surplus
+        body = json.dumps({"keys": keys}).encode()
+        for got in self._pool.map(lambda u: self._take(u, body), self.urls):
+            for i, rec in got:
+                if i in found or not 0 <= i < len(keys):
+                    surplus.append(rec)
+                else:
+                    found[i] = rec
+        return found, surplus
+
+    def _take(self, url: str, body: bytes) -> list[tuple[int, RolloutRecord]]:
+        try:
+            resp = self._client.post(
+                url + TAKE_PATH, content=body, headers={"Content-Type": "application/json"}
+            )
+            resp.raise_for_status()
+            got = decode_records(resp.content)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            with self._lock:
+                self._stats[url]["requests"] += 1
+                self._stats[url]["errors"] += 1
+                self._last_error[url] = f"{type(exc).__name__}: {exc}"[:200]
+            log.warning("peer %s: take failed: %s", url, exc)
+            return []
+        with self._lock:
+            self._stats[url]["requests"] += 1
+            self._stats[url]["taken"] += len(got)
+        return got
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return {u: {**s, "last_error": self._last_error.get(u)} for u, s in self._stats.items()}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._client.close()
