@@ -157,6 +157,9 @@ def main() -> None:
     ap.add_argument("--client", choices=["logprobs", "plain"], default="logprobs")
     ap.add_argument("--quick", action="store_true", help="only the 4,096-token rows")
     ap.add_argument("--topk", type=int, default=0, help="proxy --topk (0: off)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated modes to run (plain,incremental,cumulative)"
+    )
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})
     scenarios = [
@@ -165,11 +168,14 @@ def main() -> None:
         ("plain", 4096, 16),
         ("plain", 4096, 256),
         ("plain", 256, 64),
+        ("plain", 64, 1),
         ("incremental", 4096, 64),
         ("cumulative", 4096, 4),
     ]
     if args.quick:
-        scenarios = [s for s in scenarios if s[1] == 4096 and s[2] in (1, 64)]
+        scenarios = [s for s in scenarios if s[2] == 1 or (s[1] == 4096 and s[2] == 64)]
+    if args.only:
+        scenarios = [s for s in scenarios if s[0] in args.only.split(",")]
     with ExitStack() as stack:
         ports = {}
         for mode in ("cumulative", "incremental"):
