@@ -183,6 +183,7 @@ def main() -> None:
             topk = ["--topk", str(args.topk)] if args.topk else []
             ports[mode] = _start_pair(stack, "sglang", extra, topk)
         print(
+            f"load average at the start: {os.getloadavg()[0]:.1f}; "
             f"client: {args.client}; proxy topk: {args.topk or 'off'}; {args.seconds:.0f} s "
             "per cell; engine + load generator on core 0, proxy on core 1"
         )
@@ -190,6 +191,7 @@ def main() -> None:
             f"{'answer':<28}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
             f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'per core':>9}"
         )
+        per_core: dict[tuple[str, int, int], float] = {}
         for mode, tokens, conc in scenarios:
             engine, proxy, pid = ports["incremental" if mode == "incremental" else "cumulative"]
             body: dict = {
@@ -200,7 +202,7 @@ def main() -> None:
             if args.client == "logprobs":
                 body["return_logprob"] = True
             # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
-            seconds = args.seconds * (4 if mode == "cumulative" else 2 if mode != "plain" else 1)
+            seconds = args.seconds * (6 if mode == "cumulative" else 2 if mode != "plain" else 1)
             d_rps, d_p50 = _load(engine, body, conc, seconds)
             before, cpu0 = _captured(proxy), _cpu_s(pid)
             t0 = time.perf_counter()
@@ -210,12 +212,18 @@ def main() -> None:
             tok_s, busy = captured / took, (_cpu_s(pid) - cpu0) / took
             label = f"{tokens} tokens, " + ("not streamed" if mode == "plain" else f"{mode} stream")
             ratio = p_rps / d_rps if d_rps else float("nan")
+            per_core[(mode, tokens, conc)] = tok_s / max(busy, 1e-9)
             print(
                 f"{label:<28}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
                 f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}"
-                f"{tok_s / max(busy, 1e-9) / 1e6:>8.2f}M",
+                f"{per_core[(mode, tokens, conc)] / 1e6:>8.2f}M",
                 flush=True,
             )
+        plain = per_core.get(("plain", 4096, 64))
+        for (mode, _tokens, _conc), value in per_core.items():
+            if mode != "plain" and plain:
+                print(f"{mode} stream per proxy core / plain per proxy core: {value / plain:.2f}")
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -303,24 +303,45 @@ async def relay_stream(
 
 
 async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    tail = b""
+    tail = b""  # the start of a frame still arriving, when short
+    parts: list[memoryview] = []  # a long frame still arriving, its pieces not yet copied
     async for chunk in chunks:
         yield chunk
-        buf = tail + chunk if tail else chunk
-        cut = buf.find(b"\n\n", max(len(tail) - 1, 0))
-        if cut < 0:
-            tail = buf  # one frame still arriving
-            continue
-        if cut + 2 > _SMALL_FRAME:
-            # large frames (a cumulative stream): cut at memchr speed, each read on its bytes
-            start = 0
+        pos, search = 0, 0
+        if parts:
+            # the terminator may straddle two reads (compact JSON holds no raw newline)
+            if chunk[:1] == b"\n" and parts[-1][-1:] == b"\n":
+                end = 1
+            elif (cut := chunk.find(b"\n\n")) >= 0:
+                end = cut + 2
+            else:
+                parts.append(memoryview(chunk))
+                continue
+            frame = b"".join([*parts, memoryview(chunk)[:end]])  # the one copy of a long frame
+            parts = []
+            if not stream.whole(frame, 0, len(frame)):
+                stream.frame(frame)
+            buf, pos, search = chunk, end, end
+        else:
+            buf = tail + chunk if tail else chunk
+            search = max(len(tail) - 1, 0)
+        tail = b""
+        cut = buf.find(b"\n\n", search)
+        if cut >= 0 and cut + 2 - pos > _SMALL_FRAME:
+            # long frames (a cumulative stream): cut at memchr speed, each on its bytes
             while cut >= 0:
-                if not stream.whole(buf, start, cut + 2):
-                    stream.frame(buf[start : cut + 2])
-                start = cut + 2
-                cut = buf.find(b"\n\n", start)
-            tail = buf[start:]
+                if not stream.whole(buf, pos, cut + 2):
+                    stream.frame(buf[pos : cut + 2])
+                pos = cut + 2
+                cut = buf.find(b"\n\n", pos)
+        if cut < 0:
+            if len(buf) - pos > _SMALL_FRAME:
+                parts = [memoryview(buf)[pos:]]
+            elif pos < len(buf):
+                tail = buf[pos:]
             continue
+        if pos:
+            buf = buf[pos:]
         rows, used, ids, tokens = scan_frames(np.frombuffer(buf, dtype=np.uint8), _SMALL_FRAME)
         tail = buf[used:]
         logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids
