@@ -170,6 +170,7 @@ def main() -> None:
         ("plain", 256, 64),
         ("plain", 64, 1),
         ("incremental", 4096, 64),
+        ("cumulative", 4096, 1),
         ("cumulative", 4096, 4),
     ]
     if args.quick:
