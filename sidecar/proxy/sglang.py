@@ -176,7 +176,7 @@ def create_app(
         ),
         timeout_s=timeout_s,
     )
-    state.deferred = DeferredCaptures()
+    deferred = state.deferred = DeferredCaptures()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -193,6 +193,7 @@ def create_app(
                     sink=state.probe_sink,
                 )
             yield
+            deferred.flush()  # before the prober drains: a capture may start a probe
             if state.prober is not None:
                 await state.prober.drain()
 
