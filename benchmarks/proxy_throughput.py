@@ -157,6 +157,9 @@ def main() -> None:
     ap.add_argument("--client", choices=["logprobs", "plain"], default="logprobs")
     ap.add_argument("--quick", action="store_true", help="only the 4,096-token rows")
     ap.add_argument("--topk", type=int, default=0, help="proxy --topk (0: off)")
+    ap.add_argument(
+        "--only", default="", help="comma-separated modes to run (plain,incremental,cumulative)"
+    )
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})
     scenarios = [
@@ -165,11 +168,15 @@ def main() -> None:
         ("plain", 4096, 16),
         ("plain", 4096, 256),
         ("plain", 256, 64),
+        ("plain", 64, 1),
         ("incremental", 4096, 64),
+        ("cumulative", 4096, 1),
         ("cumulative", 4096, 4),
     ]
     if args.quick:
-        scenarios = [s for s in scenarios if s[1] == 4096 and s[2] in (1, 64)]
+        scenarios = [s for s in scenarios if s[2] == 1 or (s[1] == 4096 and s[2] == 64)]
+    if args.only:
+        scenarios = [s for s in scenarios if s[0] in args.only.split(",")]
     with ExitStack() as stack:
         ports = {}
         for mode in ("cumulative", "incremental"):
@@ -177,6 +184,7 @@ def main() -> None:
             topk = ["--topk", str(args.topk)] if args.topk else []
             ports[mode] = _start_pair(stack, "sglang", extra, topk)
         print(
+            f"load average at the start: {os.getloadavg()[0]:.1f}; "
             f"client: {args.client}; proxy topk: {args.topk or 'off'}; {args.seconds:.0f} s "
             "per cell; engine + load generator on core 0, proxy on core 1"
         )
@@ -184,6 +192,7 @@ def main() -> None:
             f"{'answer':<28}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
             f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'per core':>9}"
         )
+        per_core: dict[tuple[str, int, int], float] = {}
         for mode, tokens, conc in scenarios:
             engine, proxy, pid = ports["incremental" if mode == "incremental" else "cumulative"]
             body: dict = {
@@ -194,7 +203,7 @@ def main() -> None:
             if args.client == "logprobs":
                 body["return_logprob"] = True
             # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
-            seconds = args.seconds * (4 if mode == "cumulative" else 2 if mode != "plain" else 1)
+            seconds = args.seconds * (6 if mode == "cumulative" else 2 if mode != "plain" else 1)
             d_rps, d_p50 = _load(engine, body, conc, seconds)
             before, cpu0 = _captured(proxy), _cpu_s(pid)
             t0 = time.perf_counter()
@@ -204,12 +213,18 @@ def main() -> None:
             tok_s, busy = captured / took, (_cpu_s(pid) - cpu0) / took
             label = f"{tokens} tokens, " + ("not streamed" if mode == "plain" else f"{mode} stream")
             ratio = p_rps / d_rps if d_rps else float("nan")
+            per_core[(mode, tokens, conc)] = tok_s / max(busy, 1e-9)
             print(
                 f"{label:<28}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
                 f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}"
-                f"{tok_s / max(busy, 1e-9) / 1e6:>8.2f}M",
+                f"{per_core[(mode, tokens, conc)] / 1e6:>8.2f}M",
                 flush=True,
             )
+        plain = per_core.get(("plain", 4096, 64))
+        for (mode, _tokens, _conc), value in per_core.items():
+            if mode != "plain" and plain:
+                print(f"{mode} stream per proxy core / plain per proxy core: {value / plain:.2f}")
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

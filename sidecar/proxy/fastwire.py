@@ -156,7 +156,7 @@ def _top_logps(buf: bytes, n: int) -> np.ndarray | None:
 
 # Bytes one [logprob,id,null] triple takes in a list, at least and at most (a 24-character
 # log-prob, an 18-digit id, brackets, commas): a list's byte length bounds its triple count.
-_MIN_TRIPLE, _MAX_TRIPLE = 10, 52
+MIN_TRIPLE, MAX_TRIPLE = 10, 52
 
 
 @dataclass
@@ -174,6 +174,8 @@ class FastSample:
     total: int = 0
     prompt: np.ndarray | None = None
     pending: bytes | None = None
+    # a cumulative chunk held as (read buffer, start, end), cut out only if it is ever read
+    lazy: tuple[bytes, int, int] | None = None
 
     def offer(self, frame: bytes, *, last: bool) -> None:
         total = _int_value(frame, b"output_token_logprobs_length")
@@ -181,11 +183,16 @@ class FastSample:
             raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
         prev, self.total = self.total, total
         if not last and self._cumulative(frame, total, total - prev):
-            self.pending = frame
+            self.pending, self.lazy = frame, None
             return
         ids, logps, top = self._parse(frame)
         self._keep_chunk(ids, logps, top, total)
         self._prompt(frame)
+
+    def hold(self, buf: bytes, lo: int, hi: int, total: int) -> None:
+        """An unfinished chunk ``buf[lo:hi]`` the caller found to hold all ``total`` tokens
+        so far (`offer` with a cumulative chunk, without copying it out of ``buf``)."""
+        self.total, self.pending, self.lazy = total, None, (buf, lo, hi)
 
     def offer_delta(self, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
         """An unfinished chunk already read (by `scan.scan_frames`): same rules as `offer`."""
@@ -197,9 +204,12 @@ class FastSample:
     ) -> None:
         """Keep one chunk's tokens: a whole (cumulative) chunk replaces what was held, a delta
         extends it; a cumulative chunk held back unparsed is read first when a delta follows."""
+        if len(ids) != total and self.lazy is not None:
+            buf, lo, hi = self.lazy
+            self.pending = buf[lo:hi]
         if len(ids) != total and self.pending is not None:
             self._keep(*self._parse(self.pending), delta=False)
-        self.pending = None
+        self.pending = self.lazy = None
         delta = self.n > 0 and len(ids) != total
         if delta and self.n + len(ids) != total:
             raise WireError(
@@ -222,9 +232,9 @@ class FastSample:
         if span is None:
             raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
         length = span[2] - span[1]
-        if length < _MIN_TRIPLE * total:
+        if length < MIN_TRIPLE * total:
             return False
-        if length > _MAX_TRIPLE * delta + 2:
+        if length > MAX_TRIPLE * delta + 2:
             return True
         arr = _u8(frame)[span[1] : span[2]]
         return int(np.count_nonzero(arr == _LB)) - 1 == total

@@ -11,6 +11,8 @@ passed back with its status, headers and body unchanged. The proxy state is a pr
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -25,6 +27,7 @@ from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamRes
 
 __all__ = [
     "ALL_METHODS",
+    "DeferredCaptures",
     "counters",
     "forward_planned",
     "healthz",
@@ -50,6 +53,45 @@ HOP_BY_HOP = frozenset(
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 ALL_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
+log = logging.getLogger(__name__)
+
+
+class DeferredCaptures:
+    """Captures of answers already sent, run off the response path.
+
+    A capture waits until the next planned request has been written upstream (the engine then
+    computes its answer while the proxy captures), at most ``delay_s`` when no request comes,
+    and never past `flush`, which every reader of the capture store calls first; with more
+    than ``max_pending`` waiting, the newest runs at once. So a record is in the store before
+    anyone can look for it, and the bytes waiting are bounded (``max_pending`` answers)."""
+
+    def __init__(self, *, delay_s: float = 0.02, max_pending: int = 64) -> None:
+        self.delay_s, self.max_pending = delay_s, max_pending
+        self._pending: list[Callable[[], None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, capture: Callable[[], None]) -> None:
+        self._pending.append(capture)
+        if len(self._pending) > self.max_pending:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._pending:
+            pending, self._pending = self._pending, []
+            for capture in pending:
+                try:
+                    capture()
+                except Exception:  # a capture must never take the proxy down
+                    log.exception("deferred capture failed")
+
 
 class ProxyState(Protocol):
     """What this module reads of a proxy's state (`proxy.sglang.ProxyState` has it all)."""
@@ -61,6 +103,7 @@ class ProxyState(Protocol):
     timeout_s: float | None
     client: httpx.AsyncClient | None
     generate_upstream: Upstream | None
+    deferred: DeferredCaptures | None
 
     def http(self) -> httpx.AsyncClient: ...
 
@@ -76,6 +119,8 @@ async def upstream_clients(state: ProxyState) -> AsyncIterator[httpx.AsyncClient
         state.client = client
         state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
         yield client
+        if state.deferred is not None:
+            state.deferred.flush()
         await state.generate_upstream.aclose()
         state.client = state.generate_upstream = None
 
@@ -170,15 +215,18 @@ async def forward_planned(
 
     A 200 event stream is relayed through ``relay_chunks`` when ``stream`` is true; any other
     200 answer is read whole and ``answer`` gives the client's bytes and the capture to run
-    after they are written. Failures and non-200 answers count as ``upstream_errors``.
+    after they are written (by ``state.deferred`` when it has one). Failures and non-200
+    answers count as ``upstream_errors``.
     """
     query = request.url.query
+    deferred = state.deferred
     try:
         resp = await state.generate_client().request(
             request.method,
             request.url.path + (f"?{query}" if query else ""),
             _planned_headers(request),
             content,
+            sent=None if deferred is None else deferred.flush,
         )
     except UpstreamError as exc:
         state.counters["upstream_errors"] += 1
@@ -206,6 +254,9 @@ async def forward_planned(
     finally:
         resp.release()
     client, capture = answer(body)
+    if capture is not None and deferred is not None:
+        deferred.add(capture)
+        capture = None
     return Response(
         client,
         status_code=resp.status,
@@ -216,6 +267,8 @@ async def forward_planned(
 
 async def counters(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
+    if state.deferred is not None:
+        state.deferred.flush()
     capture = state.capture
     body = {
         "capture": capture.counters.to_dict(),

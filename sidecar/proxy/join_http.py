@@ -130,6 +130,8 @@ def install_join(
             body = json.loads(raw)
         except ValueError as exc:
             return JSONResponse({"detail": f"body is not JSON: {exc}", "field": "body"}, 422)
+        if state.deferred is not None:
+            state.deferred.flush()  # answers already sent are in the store before the join
         try:
             answer = await run_in_threadpool(joiner.submit, body)
         except JoinError as exc:

@@ -18,7 +18,15 @@ from typing import Any
 import numpy as np
 import orjson
 
-from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore, stream_index
+from timwatch.sidecar.proxy.fastwire import (
+    MAX_TRIPLE,
+    MIN_TRIPLE,
+    FastSample,
+    NotFast,
+    finished,
+    restore,
+    stream_index,
+)
 from timwatch.sidecar.proxy.records import HeldRecord
 from timwatch.sidecar.proxy.scan import KIND_DELTA, KIND_OTHER, scan_frames
 from timwatch.sidecar.proxy.sglang_wire import (
@@ -139,6 +147,43 @@ class _Stream:
         self.fast: dict[int, FastSample] = {}
         self.slow: dict[int, SampleState] = {}
         self.on_objects: set[int] = set()
+        self.indexed: bool | None = None  # whether its chunks carry "index" (batch requests)
+
+    def whole(self, buf: bytes, start: int, end: int) -> bool:
+        """Hold ``buf[start:end]`` by reference if it is an unfinished cumulative chunk of the
+        one sample of a request seen before on the byte path; False: read it with `frame`.
+
+        Finds only ``finish_reason`` (near the start), the list and the total (near the end)
+        and decides by the list's byte length as `FastSample` does; anything it cannot decide
+        that way, and any request whose first chunk read whole had an ``index``, goes to
+        `frame`, which reads the chunk whole."""
+        sample = self.fast.get(0)
+        if sample is None or self.indexed is not False or self.on_objects:
+            return False
+        if not buf.startswith(b"data: {", start):
+            return False
+        k = buf.find(b'"finish_reason":', start, end)
+        if k < 0 or buf[k + 16] != 110:  # not null: the last chunk
+            return False
+        t = buf.rfind(b'"output_token_logprobs_length":', k, end)
+        if t < 0 or buf[t - 1] != 44 or buf.find(b'"index":', t, end) >= 0:
+            return False  # SGLang writes a batch sample's "index" last
+        v = t + 31
+        ends = [e for e in (buf.find(b",", v, end), buf.find(b"}", v, end)) if e >= 0]
+        try:
+            total = int(buf[v : min(ends)]) if ends else -1
+        except ValueError:
+            return False
+        lst = buf.find(b'"output_token_logprobs":', k, t)
+        if total <= 0 or lst < 0:
+            return False
+        length, delta = t - 1 - (lst + 24), total - sample.total
+        if delta != total and not (
+            length >= MIN_TRIPLE * total and length > MAX_TRIPLE * delta + 2
+        ):
+            return False
+        sample.hold(buf, start + 6, end - 2, total)
+        return True
 
     def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
         """An unfinished chunk `scan.scan_frames` read (an unchanged request's stream)."""
@@ -161,6 +206,8 @@ class _Stream:
         if not frame.startswith(b"data: {"):
             return frame
         payload = frame[6:-2]
+        if self.indexed is None:
+            self.indexed = payload.find(b'"index":') >= 0
         try:
             idx = stream_index(payload)
         except NotFast:
@@ -256,23 +303,45 @@ async def relay_stream(
 
 
 async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    tail = b""
+    tail = b""  # the start of a frame still arriving, when short
+    parts: list[memoryview] = []  # a long frame still arriving, its pieces not yet copied
     async for chunk in chunks:
         yield chunk
-        buf = tail + chunk if tail else chunk
-        cut = buf.find(b"\n\n", max(len(tail) - 1, 0))
-        if cut < 0:
-            tail = buf  # one frame still arriving
-            continue
-        if cut + 2 > _SMALL_FRAME:
-            # large frames (a cumulative stream): cut at memchr speed, each read on its bytes
-            start = 0
+        pos, search = 0, 0
+        if parts:
+            # the terminator may straddle two reads (compact JSON holds no raw newline)
+            if chunk[:1] == b"\n" and parts[-1][-1:] == b"\n":
+                end = 1
+            elif (cut := chunk.find(b"\n\n")) >= 0:
+                end = cut + 2
+            else:
+                parts.append(memoryview(chunk))
+                continue
+            frame = b"".join([*parts, memoryview(chunk)[:end]])  # the one copy of a long frame
+            parts = []
+            if not stream.whole(frame, 0, len(frame)):
+                stream.frame(frame)
+            buf, pos, search = chunk, end, end
+        else:
+            buf = tail + chunk if tail else chunk
+            search = max(len(tail) - 1, 0)
+        tail = b""
+        cut = buf.find(b"\n\n", search)
+        if cut >= 0 and cut + 2 - pos > _SMALL_FRAME:
+            # long frames (a cumulative stream): cut at memchr speed, each on its bytes
             while cut >= 0:
-                stream.frame(buf[start : cut + 2])
-                start = cut + 2
-                cut = buf.find(b"\n\n", start)
-            tail = buf[start:]
+                if not stream.whole(buf, pos, cut + 2):
+                    stream.frame(buf[pos : cut + 2])
+                pos = cut + 2
+                cut = buf.find(b"\n\n", pos)
+        if cut < 0:
+            if len(buf) - pos > _SMALL_FRAME:
+                parts = [memoryview(buf)[pos:]]
+            elif pos < len(buf):
+                tail = buf[pos:]
             continue
+        if pos:
+            buf = buf[pos:]
         rows, used, ids, tokens = scan_frames(np.frombuffer(buf, dtype=np.uint8), _SMALL_FRAME)
         tail = buf[used:]
         logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids

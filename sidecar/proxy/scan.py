@@ -245,38 +245,48 @@ def _scan_frames(
     rows = np.empty((n // 14 + 1, 7), dtype=np.int64)  # a frame is at least "data: {}\n\n"
     ids = np.empty(n // 10 + 1, dtype=np.int64)
     out = np.empty(n + 2, dtype=np.uint8)
-    count, f, start, r, i = 0, 1, 0, 0, 0
-    while i < n - 1:
-        if not (buf[i] == 10 and buf[i + 1] == 10):
+    count, f, start, r = 0, 1, 0, 0
+    while start < n - 1:
+        fs = start
+        data = _matches(buf, fs, n, p_data)
+        # One pass per frame finds its end and, in its first `small` bytes, the keys at their
+        # quotes (no key can sit inside a string); bytes above '"' are skipped at once.
+        keys_to = min(n, fs + small) if data else fs
+        k_finish, k_index, k_total, k_list, top = -1, -1, -1, -1, False
+        end, i = -1, fs + 6 if data else fs
+        while i < n - 1:
+            c = buf[i]
+            if c > 34:
+                i += 1
+                continue
+            if c == 10 and buf[i + 1] == 10:
+                end = i + 2
+                break
+            if c == 34 and i < keys_to:
+                c = buf[i + 1]
+                if c == 111:  # "o…
+                    if _matches(buf, i, n, p_total):
+                        k_total = i + p_total.shape[0]
+                    elif _matches(buf, i, n, p_list):
+                        k_list = i + p_list.shape[0]
+                    elif _matches(buf, i, n, p_top):
+                        top = True
+                elif c == 102 and k_finish < 0 and _matches(buf, i, n, p_finish):
+                    k_finish = i + p_finish.shape[0]
+                elif c == 105 and k_index < 0 and _matches(buf, i, n, p_index):
+                    k_index = i + p_index.shape[0]
             i += 1
-            continue
-        end = i + 2
-        fs, i, start = start, end, end
+        if end < 0:
+            break
+        start = end
         rows[r, 0], rows[r, 1], rows[r, 2], rows[r, 6] = fs, end, 2, count
         rows[r, 3], rows[r, 4], rows[r, 5] = 0, 0, 0
         r += 1
-        if not _matches(buf, fs, end, p_data):
+        if not data:
             rows[r - 1, 2] = 0
             continue
         if end - fs > small:
             continue
-        # One pass over the frame's quotes finds the keys (none can sit inside a string).
-        k_finish, k_index, k_total, k_list, top = -1, -1, -1, -1, False
-        for q in range(fs + 6, end):
-            if buf[q] != 34:
-                continue
-            c = _at(buf, q + 1)
-            if c == 111:  # "o…
-                if _matches(buf, q, end, p_total):
-                    k_total = q + p_total.shape[0]
-                elif _matches(buf, q, end, p_list):
-                    k_list = q + p_list.shape[0]
-                elif _matches(buf, q, end, p_top):
-                    top = True
-            elif c == 102 and k_finish < 0 and _matches(buf, q, end, p_finish):
-                k_finish = q + p_finish.shape[0]
-            elif c == 105 and k_index < 0 and _matches(buf, q, end, p_index):
-                k_index = q + p_index.shape[0]
         if top or k_finish < 0 or _at(buf, k_finish) != 110 or k_total < 0 or k_list < 0:
             continue  # top-k rows, no finish_reason, the last chunk (not null), or no list
         index = 0 if k_index < 0 else _int_at(buf, k_index, end)

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
 from timwatch.sidecar.proxy.forward import (
     ALL_METHODS,
+    DeferredCaptures,
     counters,
     forward_planned,
     healthz,
@@ -76,6 +77,8 @@ class ProxyState:
         self.timeout_s = timeout_s
         self.client: httpx.AsyncClient | None = None
         self.generate_upstream: Upstream | None = None
+        # the SGLang proxy sets one (create_app); the vLLM proxy captures right after sending
+        self.deferred: DeferredCaptures | None = None
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
         self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
@@ -120,6 +123,8 @@ async def _generate(request: Request) -> Response:
 
 async def _records(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
+    if state.deferred is not None:
+        state.deferred.flush()
     records = [r.to_dict() for r in state.capture.snapshot()]
     return JSONResponse(
         {
@@ -171,6 +176,7 @@ def create_app(
         ),
         timeout_s=timeout_s,
     )
+    deferred = state.deferred = DeferredCaptures()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -187,6 +193,7 @@ def create_app(
                     sink=state.probe_sink,
                 )
             yield
+            deferred.flush()  # before the prober drains: a capture may start a probe
             if state.prober is not None:
                 await state.prober.drain()
 

@@ -5,8 +5,9 @@ pool is scanned per request, so its cost grows with the number of connections, a
 ``sniffio`` installed httpcore retries an import on every lock). This client keeps idle
 keep-alive connections on a stack (O(1) to take and return; the most recent, likeliest alive,
 first), writes each request in one send, and parses answers with httptools in
-``data_received``. A streamed body is handed over chunk by chunk with backpressure (reading
-pauses while more than `_HIGH_WATER` bytes wait for the client).
+``data_received``. A streamed body is handed over as what arrived since the last turn, one
+piece, with backpressure (reading pauses while more than `_HIGH_WATER` bytes wait for the
+client); per HTTP chunk (one per stream frame) the client only appends it.
 
 A connection goes back to the stack only after its answer was read to the end and the
 upstream allows keep-alive; one that dies while idle is noticed on the next request, which is
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -52,6 +53,10 @@ class _Conn(asyncio.Protocol):
             if self.resp is not None:
                 self.resp._fail(UpstreamError(f"bad HTTP from upstream: {exc}"))
             self.close()
+            return
+        resp = self.resp
+        if resp is not None and resp._chunks:
+            resp._received(len(data))  # once per read, however many body chunks it held
 
     def close(self) -> None:
         self.lost = True
@@ -69,8 +74,9 @@ class _Conn(asyncio.Protocol):
             self.resp._wake()
 
     def on_body(self, body: bytes) -> None:
+        # called once per HTTP chunk (one per stream frame): kept to the append
         if self.resp is not None:
-            self.resp._body(body)
+            self.resp._chunks.append(body)
 
     def on_message_complete(self) -> None:
         if self.resp is not None:
@@ -110,9 +116,8 @@ class UpstreamResponse:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _body(self, body: bytes) -> None:
-        self._chunks.append(body)
-        self._buffered += len(body)
+    def _received(self, nbytes: int) -> None:
+        self._buffered += nbytes  # with the chunk framing: a bound, not a count
         if self._buffered > _HIGH_WATER and not self._paused and self._conn.transport:
             self._conn.transport.pause_reading()
             self._paused = True
@@ -206,9 +211,16 @@ class Upstream:
         return conn
 
     async def request(
-        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
-        """Send one request (``target`` is path and query); returns once headers arrived."""
+        """Send one request (``target`` is path and query); returns once headers arrived.
+        ``sent`` is called once the request is written, while the upstream works on it."""
         head = [f"{method} {self.prefix}{target} HTTP/1.1\r\n".encode("latin-1")]
         head.append(b"host: " + self.host_header + b"\r\n")
         for k, v in headers:
@@ -224,6 +236,9 @@ class Upstream:
             resp = UpstreamResponse(self, conn, self.timeout_s)
             conn.resp = resp
             conn.transport.write(data)
+            if sent is not None:
+                sent()
+                sent = None
             try:
                 await resp._headers()
             except UpstreamError as exc:
