@@ -158,7 +158,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the 4,096-token rows")
     ap.add_argument("--topk", type=int, default=0, help="proxy --topk (0: off)")
     ap.add_argument(
-        "--only", default="", help="comma-separated modes to run (plain,incremental,cumulative)"
+        "--only",
+        default="",
+        help="comma-separated modes to run (plain,paced,incremental,cumulative)",
+    )
+    ap.add_argument(
+        "--decode-ms",
+        type=float,
+        default=50.0,
+        help="the paced engine's time per answer (the 'paced' rows: added latency when the "
+        "engine takes the time a real one does, so deferred captures run while it decodes)",
     )
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})
@@ -169,6 +178,8 @@ def main() -> None:
         ("plain", 4096, 256),
         ("plain", 256, 64),
         ("plain", 64, 1),
+        ("paced", 4096, 1),
+        ("paced", 64, 1),
         ("incremental", 4096, 64),
         ("cumulative", 4096, 1),
         ("cumulative", 4096, 4),
@@ -178,10 +189,17 @@ def main() -> None:
     if args.only:
         scenarios = [s for s in scenarios if s[0] in args.only.split(",")]
     with ExitStack() as stack:
-        ports = {}
-        for mode in ("cumulative", "incremental"):
-            extra = ["--incremental-streaming-output"] if mode == "incremental" else []
-            topk = ["--topk", str(args.topk)] if args.topk else []
+        ports: dict[str, tuple[int, int, int]] = {}
+        topk = ["--topk", str(args.topk)] if args.topk else []
+        wanted = {s[0] for s in scenarios}
+        for mode in ("cumulative", "incremental", "paced"):
+            if mode != "cumulative" and mode not in wanted:
+                continue
+            extra = {
+                "cumulative": [],
+                "incremental": ["--incremental-streaming-output"],
+                "paced": ["--decode-ms", str(args.decode_ms)],
+            }[mode]
             ports[mode] = _start_pair(stack, "sglang", extra, topk)
         print(
             f"load average at the start: {os.getloadavg()[0]:.1f}; "
@@ -189,21 +207,21 @@ def main() -> None:
             "per cell; engine + load generator on core 0, proxy on core 1"
         )
         print(
-            f"{'answer':<28}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
+            f"{'answer':<40}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
             f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'per core':>9}"
         )
         per_core: dict[tuple[str, int, int], float] = {}
         for mode, tokens, conc in scenarios:
-            engine, proxy, pid = ports["incremental" if mode == "incremental" else "cumulative"]
+            engine, proxy, pid = ports[mode if mode in ("incremental", "paced") else "cumulative"]
             body: dict = {
                 "input_ids": list(range(16)),
                 "sampling_params": {"max_new_tokens": tokens},
-                "stream": mode != "plain",
+                "stream": mode not in ("plain", "paced"),
             }
             if args.client == "logprobs":
                 body["return_logprob"] = True
             # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
-            seconds = args.seconds * (6 if mode == "cumulative" else 2 if mode != "plain" else 1)
+            seconds = args.seconds * {"cumulative": 6, "incremental": 2}.get(mode, 1)
             d_rps, d_p50 = _load(engine, body, conc, seconds)
             before, cpu0 = _captured(proxy), _cpu_s(pid)
             t0 = time.perf_counter()
@@ -211,18 +229,21 @@ def main() -> None:
             took = time.perf_counter() - t0
             captured = (_captured(proxy) - before) * tokens
             tok_s, busy = captured / took, (_cpu_s(pid) - cpu0) / took
-            label = f"{tokens} tokens, " + ("not streamed" if mode == "plain" else f"{mode} stream")
+            label = f"{tokens} tokens, " + {
+                "plain": "not streamed",
+                "paced": f"not streamed, engine {args.decode_ms:.0f} ms",
+            }.get(mode, f"{mode} stream")
             ratio = p_rps / d_rps if d_rps else float("nan")
             per_core[(mode, tokens, conc)] = tok_s / max(busy, 1e-9)
             print(
-                f"{label:<28}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
+                f"{label:<40}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
                 f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}"
                 f"{per_core[(mode, tokens, conc)] / 1e6:>8.2f}M",
                 flush=True,
             )
         plain = per_core.get(("plain", 4096, 64))
         for (mode, _tokens, _conc), value in per_core.items():
-            if mode != "plain" and plain:
+            if mode in ("incremental", "cumulative") and plain:
                 print(f"{mode} stream per proxy core / plain per proxy core: {value / plain:.2f}")
         print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 

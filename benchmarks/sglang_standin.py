@@ -105,12 +105,18 @@ def _answer(
 
 
 async def _handle(
-    req: HttpRequest, writer: asyncio.StreamWriter, answers: Answers, streams: Streams
+    req: HttpRequest,
+    writer: asyncio.StreamWriter,
+    answers: Answers,
+    streams: Streams,
+    decode_s: float = 0.0,
 ) -> None:
     if req.url.startswith(b"/health"):
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
         return
     body: dict[str, Any] = orjson.loads(bytes(req.body))
+    if decode_s:
+        await asyncio.sleep(decode_s)
     await _generate(body, writer, answers, streams)
     await writer.drain()
 
@@ -179,10 +185,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--incremental-streaming-output", action="store_true")
+    ap.add_argument(
+        "--decode-ms",
+        type=float,
+        default=0.0,
+        help="wait this long before each /generate answer, as a real engine decodes",
+    )
     args = ap.parse_args()
     answers = Answers()
     streams = Streams(answers, args.incremental_streaming_output)
-    serve(args.port, lambda req, w: _handle(req, w, answers, streams))
+    serve(args.port, lambda req, w: _handle(req, w, answers, streams, args.decode_ms / 1e3))
 
 
 if __name__ == "__main__":
