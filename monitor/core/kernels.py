@@ -265,6 +265,8 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_hb = _aligned_i64(_CHUNK)
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
     s2 = np.zeros(2 * s_table.shape[0], dtype=np.int64)
+    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    cells = np.empty((3, _CHUNK), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     for i in range(worst_score.shape[0]):
         if worst_score[i] < worst_score[wk[0]]:
@@ -294,9 +296,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
                        lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)  # fmt: skip
         scatter_chunk(
             c0, c1 - c0, x_mu, x_pi, x_h, x_on, b_d, b_score, b_fb, b_sb, b_hb, params,
-            fsum, fext, cnt, ad2, s2, heat_all, heat_rej, worst_score, worst_index, wk,
+            fsum, fext, cnt, ad2, s2, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
             ad_bump, s_bump, h_table, h_bump, hd_table, hd_bump,
         )  # fmt: skip
-    fold_fine(ad2, s2, hist_ad, prom_ad, prom_s, ad_table, s_table)
+    fold_fine(ad2, s2, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table, s_table)
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
     close_segments(vacc, fsum, fext, cnt, params)

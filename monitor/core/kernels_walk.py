@@ -146,24 +146,22 @@ def finish_sequence(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy")
 def scatter_chunk(  # type: ignore[no-untyped-def]
     c0, m, x_mu, x_pi, x_h, x_on, b_d, b_score, b_fb, b_sb, b_hb, params, fsum, fext, cnt,
-    ad2, s2, heat_all, heat_rej, worst_score, worst_index, wk,
+    ad2, s2, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_bump, h_table, h_bump, hd_table, hd_bump,
 ):  # fmt: skip
     """Fine-bin counts, heatmap counts, the rare |δ| > 20 probabilities and the top-k of the
     staged chunk's m positions (global index c0 + j); wk[0] is the top-k's minimal slot.
 
     ad2[2·b + u] and s2[2·b + u] count the tokens of fine bin b that are (u = 1) or are not
-    above the coarse edge inside that bin (`bump_table`): `fold_fine` turns them into the fine
-    |δ| histogram and both coarse histograms, with the counts the per-token coarse lookup gave.
+    above the coarse edge inside that bin (`bump_table`); heat2 counts heatmap cells, rejected
+    by ESTR in its second half. `fold_fine` turns them into the accumulator's histograms, with
+    the counts the per-token coarse lookups gave. Cell indices are computed in a loop of their
+    own (gathers and compares, no scatter), the scatters in a second one.
     """
     tau, eps, phi = params[0], params[1], params[5]
-    wmin = wk[0]
-    thr = worst_score[wmin]
+    n_cells = heat2.shape[0] // 2
     for j in range(m):
-        on = x_on[j] != 0
-        d = b_d[j]
-        ad = abs(d)
-        if ad > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped them)
+        if abs(b_d[j]) > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped)
             mu = x_mu[j]
             pi = x_pi[j]
             q = math.exp(mu)
@@ -178,18 +176,30 @@ def scatter_chunk(  # type: ignore[no-untyped-def]
             fsum[_F_PD2 + 3] += ep * ep
             fsum[_F_PD2 + 4] += q * q
             fsum[_F_PD2 + 5] += ep * q
+    k_ad = cells[0]
+    k_s = cells[1]
+    k_h = cells[2]
+    for j in range(m):
+        on = x_on[j] != 0
+        d = b_d[j]
+        ad = abs(d)
         fb = b_fb[j]
-        ad2[2 * fb + (ad > ad_bump[fb])] += on
-        score = b_score[j]
         sb = b_sb[j]
-        s2[2 * sb + (score > s_bump[sb])] += on
-        h = x_h[j] if on else 0.0
-        hc = hd_table[fb] + (ad >= hd_bump[fb])
         hb = b_hb[j]
+        h = x_h[j] if on else 0.0
+        k_ad[j] = 2 * fb + (ad > ad_bump[fb])
+        k_s[j] = 2 * sb + (b_score[j] > s_bump[sb])
+        hc = hd_table[fb] + (ad >= hd_bump[fb])
         hr = h_table[hb] + (h >= h_bump[hb])
-        heat_all[hr, hc] += on
-        if on and d * d > tau * (h + eps):  # rare: a branch beats an unconditional update
-            heat_rej[hr, hc] += 1
+        k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
+    wmin = wk[0]
+    thr = worst_score[wmin]
+    for j in range(m):
+        on = x_on[j]
+        ad2[k_ad[j]] += on
+        s2[k_s[j]] += on
+        heat2[k_h[j]] += on
+        score = b_score[j]
         if on and score > thr:
             worst_score[wmin] = score
             worst_index[wmin] = c0 + j
@@ -201,8 +211,16 @@ def scatter_chunk(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def fold_fine(ad2, s2, hist_ad, prom_ad, prom_s, ad_table, s_table):  # type: ignore[no-untyped-def]
-    """Add the split fine counts of `scatter_chunk` to the fine and coarse histograms."""
+def fold_fine(  # type: ignore[no-untyped-def]
+    ad2, s2, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table, s_table,
+):  # fmt: skip
+    """Add the split counts of `scatter_chunk` to the fine, coarse and heatmap histograms."""
+    flat_all = heat_all.reshape(-1)
+    flat_rej = heat_rej.reshape(-1)
+    n_cells = flat_all.shape[0]
+    for i in range(n_cells):
+        flat_all[i] += heat2[i] + heat2[n_cells + i]
+        flat_rej[i] += heat2[n_cells + i]
     for b in range(hist_ad.shape[0]):
         lo = ad2[2 * b]
         hi = ad2[2 * b + 1]
