@@ -34,8 +34,7 @@ from timwatch.monitor.core.kernels_walk import (
     finish_sequence,
     fold_fine,
     kpop_reject,
-    scatter_chunk,
-    sequence_chunk,
+    walk_chunk,
 )
 from timwatch.monitor.core.layout import C, F, M
 
@@ -292,13 +291,12 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
         _vector_phase_verl(x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w)
         segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w,
                      params, fsum, fext, cnt)  # fmt: skip
-        sequence_chunk(cu, n, c0, c1, wst, wacc, x_on, b_d, b_k3, fsum, fext, cnt,
-                       lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)  # fmt: skip
-        scatter_chunk(
-            c0, c1 - c0, x_mu, x_pi, x_h, x_on, b_d, b_score, b_fb, b_sb, b_hb, params,
-            fsum, fext, cnt, ad2, s2, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+        walk_chunk(
+            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
+            fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+            ad2, s2, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
             ad_bump, s_bump, h_table, h_bump, hd_table, hd_bump,
         )  # fmt: skip
-    fold_fine(ad2, s2, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table, s_table)
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
+    fold_fine(ad2, s2, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table, s_table)
     close_segments(vacc, fsum, fext, cnt, params)

@@ -31,8 +31,7 @@ __all__ = [
     "finish_sequence",
     "fold_fine",
     "kpop_reject",
-    "scatter_chunk",
-    "sequence_chunk",
+    "walk_chunk",
 ]
 
 _C_SEQ, _C_TOK, _C_SEQR = C.sequences, C.tok_reject, C.seq_reject
@@ -98,38 +97,6 @@ def close_sequence(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def sequence_chunk(  # type: ignore[no-untyped-def]
-    cu, n, c0, c1, wst, wacc, x_on, b_d, b_k3, fsum, fext, cnt,
-    lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
-):  # fmt: skip
-    """Fold the staged chunk [c0, c1) into the running sequence sums (wst = (sequence, its end,
-    masked tokens so far); wacc = (L, Σk3)), closing every sequence that ends inside it."""
-    nseq = cu.shape[0] - 1
-    a = c0
-    while a < c1:
-        end = wst[1]
-        b = min(end, c1)
-        n_s = wst[2]
-        big_l = wacc[0]
-        k3_s = wacc[1]
-        for j in range(a - c0, b - c0):
-            n_s += x_on[j] != 0
-            big_l += b_d[j]
-            k3_s += b_k3[j]
-        wst[2] = n_s
-        wacc[0] = big_l
-        wacc[1] = k3_s
-        a = b
-        if b == end and end < n:
-            finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
-            s = wst[0] + 1
-            while s < nseq and cu[s + 1] == end:
-                s += 1
-            wst[0] = s
-            wst[1] = cu[s + 1] if s < nseq else n
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
 def finish_sequence(  # type: ignore[no-untyped-def]
     wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
 ):  # fmt: skip
@@ -144,22 +111,27 @@ def finish_sequence(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def scatter_chunk(  # type: ignore[no-untyped-def]
-    c0, m, x_mu, x_pi, x_h, x_on, b_d, b_score, b_fb, b_sb, b_hb, params, fsum, fext, cnt,
+def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
+    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
+    fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     ad2, s2, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_bump, h_table, h_bump, hd_table, hd_bump,
 ):  # fmt: skip
-    """Fine-bin counts, heatmap counts, the rare |δ| > 20 probabilities and the top-k of the
-    staged chunk's m positions (global index c0 + j); wk[0] is the top-k's minimal slot.
+    """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
+    sums (wst = (sequence, its end, masked tokens so far), wacc = (L, Σk3)), closing every
+    sequence that ends inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
+    probabilities; the top-k (wk[0] is its minimal slot).
 
     ad2[2·b + u] and s2[2·b + u] count the tokens of fine bin b that are (u = 1) or are not
     above the coarse edge inside that bin (`bump_table`); heat2 counts heatmap cells, rejected
     by ESTR in its second half. `fold_fine` turns them into the accumulator's histograms, with
     the counts the per-token coarse lookups gave. Cell indices are computed in a loop of their
-    own (gathers and compares, no scatter), the scatters in a second one.
+    own (gathers and compares, no scatter); the scatters share the sequential loop of the
+    sequence sums, whose add latency they hide.
     """
     tau, eps, phi = params[0], params[1], params[5]
     n_cells = heat2.shape[0] // 2
+    m = c1 - c0
     for j in range(m):
         if abs(b_d[j]) > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped)
             mu = x_mu[j]
@@ -192,21 +164,43 @@ def scatter_chunk(  # type: ignore[no-untyped-def]
         hc = hd_table[fb] + (ad >= hd_bump[fb])
         hr = h_table[hb] + (h >= h_bump[hb])
         k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
+    nseq = cu.shape[0] - 1
     wmin = wk[0]
     thr = worst_score[wmin]
-    for j in range(m):
-        on = x_on[j]
-        ad2[k_ad[j]] += on
-        s2[k_s[j]] += on
-        heat2[k_h[j]] += on
-        score = b_score[j]
-        if on and score > thr:
-            worst_score[wmin] = score
-            worst_index[wmin] = c0 + j
-            for i in range(worst_score.shape[0]):
-                if worst_score[i] < worst_score[wmin]:
-                    wmin = i
-            thr = worst_score[wmin]
+    a = c0
+    while a < c1:
+        end = wst[1]
+        b = min(end, c1)
+        n_s = wst[2]
+        big_l = wacc[0]
+        k3_s = wacc[1]
+        for j in range(a - c0, b - c0):
+            on = x_on[j] != 0
+            n_s += on
+            big_l += b_d[j]
+            k3_s += b_k3[j]
+            ad2[k_ad[j]] += on
+            s2[k_s[j]] += on
+            heat2[k_h[j]] += on
+            score = b_score[j]
+            if on and score > thr:
+                worst_score[wmin] = score
+                worst_index[wmin] = c0 + j
+                for i in range(worst_score.shape[0]):
+                    if worst_score[i] < worst_score[wmin]:
+                        wmin = i
+                thr = worst_score[wmin]
+        wst[2] = n_s
+        wacc[0] = big_l
+        wacc[1] = k3_s
+        a = b
+        if b == end and end < n:
+            finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
+            s = wst[0] + 1
+            while s < nseq and cu[s + 1] == end:
+                s += 1
+            wst[0] = s
+            wst[1] = cu[s + 1] if s < nseq else n
     wk[0] = wmin
 
 
