@@ -9,8 +9,12 @@ chunks of `_CHUNK` tokens that stay in L1:
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. `core_kernel`'s walk (scalar): what cannot vectorise — sequence boundaries and sequence
-   policies, histogram scatters, the heatmap and the top-k.
+2. the verl-parity pass and its per-sequence segment sums (`kernels_seq`), over the same
+   staged buffers.
+3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
+   computed in a loop of their own; one sequential loop then adds the per-sequence sums in
+   token order (their bits are those of the original token-by-token walk) and scatters the
+   cells into split counts that `fold_fine` turns into the histograms once per call.
 
 Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
 |δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.

@@ -51,3 +51,44 @@ def test_fixture_covers_every_case_and_is_not_trivial(
     assert bench["mismatch_kl"].startswith("f:") and bench["tokens"] > 190_000
     assert len(bench["worst_tokens"]) == 16
     assert want["fully_masked"]["row"]["tokens"] == 0
+
+
+def test_bump_tables_give_the_coarse_bins_of_the_per_token_lookup() -> None:
+    """The one-load coarse bins of the walk are those of the table-plus-edge lookup it replaced,
+    and both are the bucket definitions (`le` buckets; left-closed heatmap grid), at every edge,
+    one ulp either side of it, and across the whole range."""
+    import numpy as np
+
+    from timwatch.monitor.core.engine import _H_EDGES, _HD_EDGES, _LAYOUTS, BIN_TABLES
+    from timwatch.monitor.core.fastmath import fine_index
+    from timwatch.monitor.core.histograms import (
+        ABS_DELTA_LAYOUT,
+        ESTR_SCORE_LAYOUT,
+    )
+
+    ad_table, ad_bump, s_table, s_bump, h_table, h_bump, hd_table, hd_bump = BIN_TABLES
+    rng = np.random.default_rng(3)
+    cases = (
+        (0, ABS_DELTA_LAYOUT.coarse_edges, ad_table, ad_bump, ABS_DELTA_LAYOUT.coarse_edges, 0),
+        (4, ESTR_SCORE_LAYOUT.coarse_edges, s_table, s_bump, ESTR_SCORE_LAYOUT.coarse_edges, 0),
+        (8, _H_EDGES, h_table, h_bump, _H_EDGES, 1),
+        (0, _HD_EDGES, hd_table, hd_bump, _HD_EDGES, 1),
+    )
+    for k, edges, table, bump, grid, shift in cases:
+        xs = [0.0, 1e-300, 5e-324, 1e300]
+        for e in edges:
+            xs += [float(e), float(np.nextafter(e, 0.0)), float(np.nextafter(e, np.inf))]
+        xs += list(10.0 ** rng.uniform(-12, 4, 2000))
+        lo, octs, sub, last = (int(v) for v in _LAYOUTS[k : k + 4])
+        for x in xs:
+            fb = fine_index(x, lo, octs, sub, last)
+            c = int(table[fb])
+            if shift == 0:
+                old = c + (c < edges.shape[0] and x > edges[c])
+                new = c + (x > bump[fb])
+                want = int(np.searchsorted(grid, x, side="left"))  # first edge >= x
+            else:
+                old = c + (c + 1 < edges.shape[0] and x >= edges[c + 1])
+                new = c + (x >= bump[fb])
+                want = int(np.searchsorted(grid, x, side="right")) - 1  # left-closed cells
+            assert old == new == want, (k, x, old, new, want)
