@@ -196,7 +196,8 @@ def main() -> None:
         return
     rows = rows_at(args.rev)
     path = ROOT / "tests" / "fixtures" / f"engine_rows_{args.rev}.json"
-    path.write_text(json.dumps(rows, sort_keys=True, indent=0) + "\n")
+    lines = [f"{json.dumps(k)}: {json.dumps(rows[k], sort_keys=True)}" for k in sorted(rows)]
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # one line per batch
     print(f"wrote {path.relative_to(ROOT)}: {len(rows)} batches")
 
 
