@@ -18,9 +18,7 @@ from timwatch.monitor.core.histograms import (
     ENTROPY_LAYOUT,
     ESTR_SCORE_LAYOUT,
     HEATMAP_ABS_DELTA_EDGES,
-    HEATMAP_ABS_DELTA_TABLE,
     HEATMAP_ENTROPY_EDGES,
-    HEATMAP_ENTROPY_TABLE,
     FineLayout,
 )
 from timwatch.monitor.core.kernels import core_kernel, k3_of
@@ -43,17 +41,17 @@ _LAYOUTS = np.concatenate(
 )
 _H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
 _HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
-#: per fine bin, the coarse table and the edge that bumps it one coarse bin up (see bump_table)
+#: per fine bin, the coarse table and the edge that bumps it one coarse bin up (see bump_table);
+#: then the heatmap grids, whose inner edges the walk compares with directly
 BIN_TABLES = (
     ABS_DELTA_LAYOUT.coarse_table,
     bump_table(ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges, 0),
     ESTR_SCORE_LAYOUT.coarse_table,
     bump_table(ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges, 0),
-    HEATMAP_ENTROPY_TABLE,
-    bump_table(HEATMAP_ENTROPY_TABLE, _H_EDGES, 1),
-    HEATMAP_ABS_DELTA_TABLE,
-    bump_table(HEATMAP_ABS_DELTA_TABLE, _HD_EDGES, 1),
+    _H_EDGES,
+    _HD_EDGES,
 )
+assert _H_EDGES.shape == (7,) and _HD_EDGES.shape == (6,), "the walk compares 6 and 5 inner edges"
 
 
 KERNEL_THREADS = min(4, os.cpu_count() or 1)

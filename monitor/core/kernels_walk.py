@@ -115,7 +115,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
     fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     ad2, s2, heat2, n_cols, worst_score, worst_index, wk, cells,
-    ad_bump, s_bump, h_table, h_bump, hd_table, hd_bump,
+    ad_bump, s_bump, h_edges, hd_edges,
 ):  # fmt: skip
     """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
     sums (wst = (sequence, its end, masked tokens so far), wacc = (L, Σk3)), closing every
@@ -125,9 +125,10 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     ad2[2·b + u] and s2[2·b + u] count the tokens of fine bin b that are (u = 1) or are not
     above the coarse edge inside that bin (`bump_table`); heat2 counts heatmap cells, rejected
     by ESTR in its second half. `fold_fine` turns them into the accumulator's histograms, with
-    the counts the per-token coarse lookups gave. Cell indices are computed in a loop of their
-    own (gathers and compares, no scatter); the scatters share the sequential loop of the
-    sequence sums, whose add latency they hide.
+    the counts the per-token coarse lookups gave. Heatmap cells count the inner grid edges a
+    value passes (the left-closed grid's definition). Cell indices are computed in loops of
+    their own (lookups and compares, no scatter; the heatmap's vectorises); the scatters share
+    the sequential loop of the sequence sums, whose add latency they hide.
     """
     tau, eps, phi = params[0], params[1], params[5]
     n_cells = heat2.shape[0] // 2
@@ -152,17 +153,19 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     k_s = cells[1]
     k_h = cells[2]
     for j in range(m):
-        on = x_on[j] != 0
-        d = b_d[j]
-        ad = abs(d)
         fb = b_fb[j]
         sb = b_sb[j]
-        hb = b_hb[j]
-        h = x_h[j] if on else 0.0
-        k_ad[j] = 2 * fb + (ad > ad_bump[fb])
+        k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[fb])
         k_s[j] = 2 * sb + (b_score[j] > s_bump[sb])
-        hc = hd_table[fb] + (ad >= hd_bump[fb])
-        hr = h_table[hb] + (h >= h_bump[hb])
+    # the heatmap grids' inner edges as scalars: compares only, so this loop vectorises
+    d1, d2, d3, d4, d5 = hd_edges[1], hd_edges[2], hd_edges[3], hd_edges[4], hd_edges[5]
+    e1, e2, e3, e4, e5, e6 = h_edges[1], h_edges[2], h_edges[3], h_edges[4], h_edges[5], h_edges[6]
+    for j in range(m):
+        d = b_d[j]
+        ad = abs(d)
+        h = x_h[j] if x_on[j] != 0 else 0.0
+        hc = np.int64(ad >= d1) + (ad >= d2) + (ad >= d3) + (ad >= d4) + (ad >= d5)
+        hr = np.int64(h >= e1) + (h >= e2) + (h >= e3) + (h >= e4) + (h >= e5) + (h >= e6)
         k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
     nseq = cu.shape[0] - 1
     wmin = wk[0]
@@ -208,7 +211,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
 def fold_fine(  # type: ignore[no-untyped-def]
     ad2, s2, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table, s_table,
 ):  # fmt: skip
-    """Add the split counts of `scatter_chunk` to the fine, coarse and heatmap histograms."""
+    """Add the split counts of `walk_chunk` to the fine, coarse and heatmap histograms."""
     flat_all = heat_all.reshape(-1)
     flat_rej = heat_rej.reshape(-1)
     n_cells = flat_all.shape[0]

@@ -53,28 +53,31 @@ def test_fixture_covers_every_case_and_is_not_trivial(
     assert want["fully_masked"]["row"]["tokens"] == 0
 
 
-def test_bump_tables_give_the_coarse_bins_of_the_per_token_lookup() -> None:
-    """The one-load coarse bins of the walk are those of the table-plus-edge lookup it replaced,
-    and both are the bucket definitions (`le` buckets; left-closed heatmap grid), at every edge,
-    one ulp either side of it, and across the whole range."""
+def test_coarse_bins_of_the_walk_are_those_of_the_per_token_lookup() -> None:
+    """The walk's coarse bins (one-load bumps for the `le` buckets, counts of inner edges passed
+    for the left-closed heatmap grid) are those of the table-plus-edge lookup they replaced, and
+    all are the bucket definitions, at every edge, one ulp either side of it, and across the
+    whole range."""
     import numpy as np
 
-    from timwatch.monitor.core.engine import _H_EDGES, _HD_EDGES, _LAYOUTS, BIN_TABLES
+    from timwatch.monitor.core.engine import _LAYOUTS, BIN_TABLES
     from timwatch.monitor.core.fastmath import fine_index
     from timwatch.monitor.core.histograms import (
         ABS_DELTA_LAYOUT,
         ESTR_SCORE_LAYOUT,
+        HEATMAP_ABS_DELTA_TABLE,
+        HEATMAP_ENTROPY_TABLE,
     )
 
-    ad_table, ad_bump, s_table, s_bump, h_table, h_bump, hd_table, hd_bump = BIN_TABLES
+    ad_table, ad_bump, s_table, s_bump, h_edges, hd_edges = BIN_TABLES
     rng = np.random.default_rng(3)
     cases = (
-        (0, ABS_DELTA_LAYOUT.coarse_edges, ad_table, ad_bump, ABS_DELTA_LAYOUT.coarse_edges, 0),
-        (4, ESTR_SCORE_LAYOUT.coarse_edges, s_table, s_bump, ESTR_SCORE_LAYOUT.coarse_edges, 0),
-        (8, _H_EDGES, h_table, h_bump, _H_EDGES, 1),
-        (0, _HD_EDGES, hd_table, hd_bump, _HD_EDGES, 1),
+        (0, ABS_DELTA_LAYOUT.coarse_edges, ad_table, ad_bump),
+        (4, ESTR_SCORE_LAYOUT.coarse_edges, s_table, s_bump),
+        (8, h_edges, HEATMAP_ENTROPY_TABLE, None),
+        (0, hd_edges, HEATMAP_ABS_DELTA_TABLE, None),
     )
-    for k, edges, table, bump, grid, shift in cases:
+    for k, edges, table, bump in cases:
         xs = [0.0, 1e-300, 5e-324, 1e300]
         for e in edges:
             xs += [float(e), float(np.nextafter(e, 0.0)), float(np.nextafter(e, np.inf))]
@@ -83,12 +86,12 @@ def test_bump_tables_give_the_coarse_bins_of_the_per_token_lookup() -> None:
         for x in xs:
             fb = fine_index(x, lo, octs, sub, last)
             c = int(table[fb])
-            if shift == 0:
+            if bump is not None:
                 old = c + (c < edges.shape[0] and x > edges[c])
                 new = c + (x > bump[fb])
-                want = int(np.searchsorted(grid, x, side="left"))  # first edge >= x
+                want = int(np.searchsorted(edges, x, side="left"))  # first edge >= x
             else:
                 old = c + (c + 1 < edges.shape[0] and x >= edges[c + 1])
-                new = c + (x >= bump[fb])
-                want = int(np.searchsorted(grid, x, side="right")) - 1  # left-closed cells
+                new = int(sum(x >= e for e in edges[1:]))
+                want = int(np.searchsorted(edges, x, side="right")) - 1  # left-closed cells
             assert old == new == want, (k, x, old, new, want)
