@@ -161,7 +161,7 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     cu, mu, pi, ent, mask, params, fsum, fext, cnt, layouts, stop,
     hist_ad, prom_ad, prom_s, heat_all, heat_rej, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     worst_score, worst_index,
-    ad_table, ad_bump, s_table, s_bump, h_edges, hd_edges,
+    ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """The kernel's chunk loop up to `stop`: 0 staging, 1 + first vector pass, 2 + verl vector
     pass, 3 + verl per-sequence segment sums, 4 + the walk: scatter cells, sequence sums,
@@ -172,7 +172,6 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     f = [K._aligned_f64(chunk) for _ in range(7)]
     g = [K._aligned_i64(chunk) for _ in range(3)]
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    s2 = np.zeros(2 * s_table.shape[0], dtype=np.int64)
     heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
     cells = np.empty((3, chunk), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
@@ -208,8 +207,8 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
             KW.walk_chunk(
                 cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], g[1], g[2], params,
                 fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-                ad2, s2, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
-                ad_bump, s_bump, h_edges, hd_edges,
+                ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+                ad_bump, s_edges, h_edges, hd_edges,
             )  # fmt: skip
 
 

@@ -41,16 +41,16 @@ _LAYOUTS = np.concatenate(
 )
 _H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
 _HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
-#: per fine bin, the coarse table and the edge that bumps it one coarse bin up (see bump_table);
-#: then the heatmap grids, whose inner edges the walk compares with directly
+#: per fine |δ| bin, the coarse table and the edge that bumps it one coarse bin up (bump_table);
+#: then the ESTR score's edges and the heatmap grids, which the walk compares with directly
 BIN_TABLES = (
     ABS_DELTA_LAYOUT.coarse_table,
     bump_table(ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges, 0),
-    ESTR_SCORE_LAYOUT.coarse_table,
-    bump_table(ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges, 0),
+    ESTR_SCORE_LAYOUT.coarse_edges,
     _H_EDGES,
     _HD_EDGES,
 )
+assert ESTR_SCORE_LAYOUT.coarse_edges.shape == (16,), "the walk compares 16 score edges"
 assert _H_EDGES.shape == (7,) and _HD_EDGES.shape == (6,), "the walk compares 6 and 5 inner edges"
 
 

@@ -249,7 +249,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     hist_ad, prom_ad, prom_s, heat_all, heat_rej,
     lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     worst_score, worst_index,
-    layouts, ad_table, ad_bump, s_table, s_bump, h_edges, hd_edges,
+    layouts, ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """Fill the accumulators from one packed batch (see core.accumulator for the layout)."""
     x_mu = _aligned_f64(_CHUNK)
@@ -267,7 +267,6 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_sb = _aligned_i64(_CHUNK)
     b_hb = _aligned_i64(_CHUNK)
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    s2 = np.zeros(2 * s_table.shape[0], dtype=np.int64)
     heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
     cells = np.empty((3, _CHUNK), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
@@ -298,9 +297,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
         walk_chunk(
             cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
             fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-            ad2, s2, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
-            ad_bump, s_bump, h_edges, hd_edges,
+            ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+            ad_bump, s_edges, h_edges, hd_edges,
         )  # fmt: skip
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
-    fold_fine(ad2, s2, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table, s_table)
+    fold_fine(ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table)
     close_segments(vacc, fsum, fext, cnt, params)

@@ -114,16 +114,17 @@ def finish_sequence(  # type: ignore[no-untyped-def]
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
     fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-    ad2, s2, heat2, n_cols, worst_score, worst_index, wk, cells,
-    ad_bump, s_bump, h_edges, hd_edges,
+    ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
+    ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
     sums (wst = (sequence, its end, masked tokens so far), wacc = (L, Σk3)), closing every
     sequence that ends inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
     probabilities; the top-k (wk[0] is its minimal slot).
 
-    ad2[2·b + u] and s2[2·b + u] count the tokens of fine bin b that are (u = 1) or are not
-    above the coarse edge inside that bin (`bump_table`); heat2 counts heatmap cells, rejected
+    ad2[2·b + u] counts the tokens of fine |δ| bin b that are (u = 1) or are not above the
+    coarse edge inside that bin (`bump_table`); the ESTR score's coarse bin counts the edges the
+    score is above (the `le` bucket's definition); heat2 counts heatmap cells, rejected
     by ESTR in its second half. `fold_fine` turns them into the accumulator's histograms, with
     the counts the per-token coarse lookups gave. Heatmap cells count the inner grid edges a
     value passes (the left-closed grid's definition). Cell indices are computed in loops of
@@ -154,10 +155,10 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     k_h = cells[2]
     for j in range(m):
         fb = b_fb[j]
-        sb = b_sb[j]
         k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[fb])
-        k_s[j] = 2 * sb + (b_score[j] > s_bump[sb])
-    # the heatmap grids' inner edges as scalars: compares only, so this loop vectorises
+    # edges as scalars: compares only, so this loop vectorises
+    s1, s2, s3, s4, s5, s6, s7, s8 = s_edges[0:8]
+    s9, s10, s11, s12, s13, s14, s15, s16 = s_edges[8:16]
     d1, d2, d3, d4, d5 = hd_edges[1], hd_edges[2], hd_edges[3], hd_edges[4], hd_edges[5]
     e1, e2, e3, e4, e5, e6 = h_edges[1], h_edges[2], h_edges[3], h_edges[4], h_edges[5], h_edges[6]
     for j in range(m):
@@ -167,6 +168,10 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         hc = np.int64(ad >= d1) + (ad >= d2) + (ad >= d3) + (ad >= d4) + (ad >= d5)
         hr = np.int64(h >= e1) + (h >= e2) + (h >= e3) + (h >= e4) + (h >= e5) + (h >= e6)
         k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
+        x = b_score[j]
+        c = np.int64(x > s1) + (x > s2) + (x > s3) + (x > s4) + (x > s5) + (x > s6) + (x > s7)
+        c += np.int64(x > s8) + (x > s9) + (x > s10) + (x > s11) + (x > s12) + (x > s13)
+        k_s[j] = c + (x > s14) + (x > s15) + (x > s16)
     nseq = cu.shape[0] - 1
     wmin = wk[0]
     thr = worst_score[wmin]
@@ -183,7 +188,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
             big_l += b_d[j]
             k3_s += b_k3[j]
             ad2[k_ad[j]] += on
-            s2[k_s[j]] += on
+            prom_s[k_s[j]] += on
             heat2[k_h[j]] += on
             score = b_score[j]
             if on and score > thr:
@@ -209,7 +214,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def fold_fine(  # type: ignore[no-untyped-def]
-    ad2, s2, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table, s_table,
+    ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table,
 ):  # fmt: skip
     """Add the split counts of `walk_chunk` to the fine, coarse and heatmap histograms."""
     flat_all = heat_all.reshape(-1)
@@ -225,9 +230,3 @@ def fold_fine(  # type: ignore[no-untyped-def]
         prom_ad[ad_table[b]] += lo
         if hi:
             prom_ad[ad_table[b] + 1] += hi
-    for b in range(s_table.shape[0]):
-        lo = s2[2 * b]
-        hi = s2[2 * b + 1]
-        prom_s[s_table[b]] += lo
-        if hi:
-            prom_s[s_table[b] + 1] += hi

@@ -54,10 +54,10 @@ def test_fixture_covers_every_case_and_is_not_trivial(
 
 
 def test_coarse_bins_of_the_walk_are_those_of_the_per_token_lookup() -> None:
-    """The walk's coarse bins (one-load bumps for the `le` buckets, counts of inner edges passed
-    for the left-closed heatmap grid) are those of the table-plus-edge lookup they replaced, and
-    all are the bucket definitions, at every edge, one ulp either side of it, and across the
-    whole range."""
+    """The walk's coarse bins (a one-load bump for |δ|'s `le` buckets, counts of edges passed
+    for the score's and for the left-closed heatmap grid) are those of the table-plus-edge
+    lookup they replaced, and all are the bucket definitions, at every edge, one ulp either
+    side of it, and across the whole range."""
     import numpy as np
 
     from timwatch.monitor.core.engine import _LAYOUTS, BIN_TABLES
@@ -69,11 +69,12 @@ def test_coarse_bins_of_the_walk_are_those_of_the_per_token_lookup() -> None:
         HEATMAP_ENTROPY_TABLE,
     )
 
-    ad_table, ad_bump, s_table, s_bump, h_edges, hd_edges = BIN_TABLES
+    ad_table, ad_bump, s_edges, h_edges, hd_edges = BIN_TABLES
+    assert (s_edges == ESTR_SCORE_LAYOUT.coarse_edges).all()
     rng = np.random.default_rng(3)
     cases = (
         (0, ABS_DELTA_LAYOUT.coarse_edges, ad_table, ad_bump),
-        (4, ESTR_SCORE_LAYOUT.coarse_edges, s_table, s_bump),
+        (4, s_edges, ESTR_SCORE_LAYOUT.coarse_table, None),
         (8, h_edges, HEATMAP_ENTROPY_TABLE, None),
         (0, hd_edges, HEATMAP_ABS_DELTA_TABLE, None),
     )
@@ -86,9 +87,9 @@ def test_coarse_bins_of_the_walk_are_those_of_the_per_token_lookup() -> None:
         for x in xs:
             fb = fine_index(x, lo, octs, sub, last)
             c = int(table[fb])
-            if bump is not None:
+            if k != 8 and edges is not hd_edges:  # `le` buckets
                 old = c + (c < edges.shape[0] and x > edges[c])
-                new = c + (x > bump[fb])
+                new = c + (x > bump[fb]) if bump is not None else int(sum(x > e for e in edges))
                 want = int(np.searchsorted(edges, x, side="left"))  # first edge >= x
             else:
                 old = c + (c + 1 < edges.shape[0] and x >= edges[c + 1])
