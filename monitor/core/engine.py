@@ -18,12 +18,11 @@ from timwatch.monitor.core.histograms import (
     ENTROPY_LAYOUT,
     ESTR_SCORE_LAYOUT,
     HEATMAP_ABS_DELTA_EDGES,
-    HEATMAP_ABS_DELTA_TABLE,
     HEATMAP_ENTROPY_EDGES,
-    HEATMAP_ENTROPY_TABLE,
     FineLayout,
 )
 from timwatch.monitor.core.kernels import core_kernel, k3_of
+from timwatch.monitor.core.kernels_walk import bump_table
 from timwatch.monitor.core.masks import PolicyParams
 from timwatch.monitor.core.row import MetricRow, derive_row
 
@@ -42,6 +41,17 @@ _LAYOUTS = np.concatenate(
 )
 _H_EDGES = np.asarray(HEATMAP_ENTROPY_EDGES, dtype=np.float64)
 _HD_EDGES = np.asarray(HEATMAP_ABS_DELTA_EDGES, dtype=np.float64)
+#: per fine |δ| bin, the coarse table and the edge that bumps it one coarse bin up (bump_table);
+#: then the ESTR score's edges and the heatmap grids, which the walk compares with directly
+BIN_TABLES = (
+    ABS_DELTA_LAYOUT.coarse_table,
+    bump_table(ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges, 0),
+    ESTR_SCORE_LAYOUT.coarse_edges,
+    _H_EDGES,
+    _HD_EDGES,
+)
+assert ESTR_SCORE_LAYOUT.coarse_edges.shape == (16,), "the walk compares 16 score edges"
+assert _H_EDGES.shape == (7,) and _HD_EDGES.shape == (6,), "the walk compares 6 and 5 inner edges"
 
 
 KERNEL_THREADS = min(4, os.cpu_count() or 1)
@@ -120,10 +130,7 @@ def _run_kernel(
         acc.fsum, acc.fext, acc.cnt,
         acc.hist_ad, acc.prom_ad, acc.prom_s, acc.heat_all, acc.heat_rej,
         acc.lb_seqs, acc.lb_tokens, acc.lb_abs_l, acc.lb_k3,
-        worst_score, worst_index,
-        _LAYOUTS, ABS_DELTA_LAYOUT.coarse_table, ABS_DELTA_LAYOUT.coarse_edges,
-        ESTR_SCORE_LAYOUT.coarse_table, ESTR_SCORE_LAYOUT.coarse_edges,
-        HEATMAP_ENTROPY_TABLE, _H_EDGES, HEATMAP_ABS_DELTA_TABLE, _HD_EDGES,
+        worst_score, worst_index, _LAYOUTS, *BIN_TABLES,
     )  # fmt: skip
     worst_index[worst_index >= 0] += lo
     return acc, worst_score, worst_index

@@ -9,8 +9,12 @@ chunks of `_CHUNK` tokens that stay in L1:
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. `core_kernel`'s walk (scalar): what cannot vectorise — sequence boundaries and sequence
-   policies, histogram scatters, the heatmap and the top-k.
+2. the verl-parity pass and its per-sequence segment sums (`kernels_seq`), over the same
+   staged buffers.
+3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
+   computed in a loop of their own; one sequential loop then adds the per-sequence sums in
+   token order (their bits are those of the original token-by-token walk) and scatters the
+   cells into split counts that `fold_fine` turns into the histograms once per call.
 
 Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
 |δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.
@@ -18,23 +22,24 @@ Exact alternatives replace transcendentals where they exist: exp(δ) is a series
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit
 
 from timwatch.monitor.core.fastmath import (
-    LOG_P_HI,
-    LOG_P_LO,
     exp,
     fine_index,
     from_order_key,
     k3_of,
     k3_rm1_r,
-    log,
     order_key,
 )
 from timwatch.monitor.core.kernels_seq import VACC, close_segments, segment_pass, start_segments
+from timwatch.monitor.core.kernels_walk import (
+    finish_sequence,
+    fold_fine,
+    kpop_reject,
+    walk_chunk,
+)
 from timwatch.monitor.core.layout import C, F, M
 
 __all__ = ["F", "M", "C", "core_kernel", "k3_of"]
@@ -48,17 +53,6 @@ _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
 _F_TIS, _F_PD2 = F.tis_m1, F.pd2
 _C_LOW, _C_TOK2 = C.is_low, C.tok_reject2
-
-
-@njit(inline="always", cache=True, error_model="numpy")
-def _kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
-    """max(D_B(p‖q), D_B(q‖p)) > φ for probabilities clamped to [1e-8, 1 − 1e-8]."""
-    pc = min(max(p, 1e-8), 1.0 - 1e-8)
-    qc = min(max(q, 1e-8), 1.0 - 1e-8)
-    lp = min(max(lp, LOG_P_LO), LOG_P_HI)
-    lq = min(max(lq, LOG_P_LO), LOG_P_HI)
-    lam = log((1.0 - pc) / (1.0 - qc))
-    return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
 
 
 @njit(cache=True, error_model="numpy")
@@ -150,7 +144,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
         n_tis += dc > tis_c
-        n_kpop += near & _kpop_reject(pp, q, p, m, phi)
+        n_kpop += near & kpop_reject(pp, q, p, m, phi)
         b_d[j] = d
         b_k3[j] = k3
         b_rm1[j] = rm1
@@ -255,14 +249,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     hist_ad, prom_ad, prom_s, heat_all, heat_rej,
     lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     worst_score, worst_index,
-    layouts, ad_table, ad_edges, s_table, s_edges, h_table, h_edges, hd_table, hd_edges,
+    layouts, ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """Fill the accumulators from one packed batch (see core.accumulator for the layout)."""
-    tau, eps, phi = params[0], params[1], params[5]
-    n_ad_edges = ad_edges.shape[0]
-    n_s_edges = s_edges.shape[0]
-    n_h = h_edges.shape[0]
-    n_hd = hd_edges.shape[0]
     x_mu = _aligned_f64(_CHUNK)
     x_pi = _aligned_f64(_CHUNK)
     x_h = _aligned_f64(_CHUNK)
@@ -277,22 +266,20 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_fb = _aligned_i64(_CHUNK)
     b_sb = _aligned_i64(_CHUNK)
     b_hb = _aligned_i64(_CHUNK)
-    wmin = 0
+    ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
+    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    cells = np.empty((3, _CHUNK), dtype=np.int64)
+    wk = np.zeros(1, dtype=np.int64)
     for i in range(worst_score.shape[0]):
-        if worst_score[i] < worst_score[wmin]:
-            wmin = i
+        if worst_score[i] < worst_score[wk[0]]:
+            wk[0] = i
     n = mu.shape[0]
-    nseq = cu.shape[0] - 1
-    s = 0
-    while s < nseq and cu[s + 1] == 0:
-        s += 1
-    seq_end = cu[s + 1] if s < nseq else n
-    n_s = 0
-    big_l = 0.0
-    k3_s = 0.0
+    wst = np.zeros(3, dtype=np.int64)
+    wacc = np.zeros(2, dtype=np.float64)
     vst = np.zeros(2, dtype=np.int64)
     vacc = np.zeros(VACC, dtype=np.float64)
     start_segments(cu, n, vst)
+    start_segments(cu, n, wst)
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
         for j in range(c1 - c0):
@@ -307,101 +294,12 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
         _vector_phase_verl(x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w)
         segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w,
                      params, fsum, fext, cnt)  # fmt: skip
-        for t in range(c0, c1):
-            if t == seq_end:
-                if n_s > 0:
-                    _close_sequence(
-                        n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-                        params,
-                    )  # fmt: skip
-                n_s = 0
-                big_l = 0.0
-                k3_s = 0.0
-                s += 1
-                while cu[s + 1] == t:
-                    s += 1
-                seq_end = cu[s + 1]
-            if mask[t] == 0:
-                continue
-            j = t - c0
-            d = b_d[j]
-            ad = abs(d)
-            n_s += 1
-            big_l += d
-            k3_s += b_k3[j]
-            if ad > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped them)
-                m = np.float64(mu[t])
-                p = np.float64(pi[t])
-                q = math.exp(m)
-                ep = math.exp(p)
-                pdiff = abs(ep - q)
-                fsum[10] += pdiff
-                fext[1] = max(fext[1], pdiff)
-                cnt[_C_TOK + 3] += _kpop_reject(ep, q, p, m, phi)
-                fsum[_F_PD2] += pdiff * pdiff
-                fsum[_F_PD2 + 1] += ep
-                fsum[_F_PD2 + 2] += q
-                fsum[_F_PD2 + 3] += ep * ep
-                fsum[_F_PD2 + 4] += q * q
-                fsum[_F_PD2 + 5] += ep * q
-            fb = b_fb[j]
-            hist_ad[fb] += 1
-            c = ad_table[fb]
-            c += c < n_ad_edges and ad > ad_edges[c]
-            prom_ad[c] += 1
-            score = b_score[j]
-            c = s_table[b_sb[j]]
-            c += c < n_s_edges and score > s_edges[c]
-            prom_s[c] += 1
-            h = np.float64(ent[t])
-            hc = hd_table[fb]
-            hc += hc + 1 < n_hd and ad >= hd_edges[hc + 1]
-            hr = h_table[b_hb[j]]
-            hr += hr + 1 < n_h and h >= h_edges[hr + 1]
-            heat_all[hr, hc] += 1
-            if d * d > tau * (h + eps):  # rare: a branch beats an unconditional update
-                heat_rej[hr, hc] += 1
-            if score > worst_score[wmin]:
-                worst_score[wmin] = score
-                worst_index[wmin] = t
-                for i in range(worst_score.shape[0]):
-                    if worst_score[i] < worst_score[wmin]:
-                        wmin = i
-    if n_s > 0:
-        _close_sequence(
-            n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
+        walk_chunk(
+            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
+            fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+            ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+            ad_bump, s_edges, h_edges, hd_edges,
         )  # fmt: skip
+    finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
+    fold_fine(ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table)
     close_segments(vacc, fsum, fext, cnt, params)
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def _close_sequence(  # type: ignore[no-untyped-def]
-    n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
-):  # fmt: skip
-    """Sequence statistics, length bucket and sequence-policy decisions of one sequence."""
-    mis_lo, mis_hi, geo_lo, geo_hi, kappa = params[7], params[8], params[9], params[10], params[11]
-    cnt[_C_SEQ] += 1
-    abs_l = abs(big_l)
-    fsum[_F_SEQ_ABS_L] += abs_l
-    fext[_M_SEQ_ABS_L] = max(fext[_M_SEQ_ABS_L], abs_l)
-    g = big_l / n_s
-    fsum[_F_SEQ_GEO] += math.exp(min(max(g, -20.0), 20.0))
-    fsum[_F_SEQ_EXP2L] += math.exp(2.0 * min(max(big_l, -20.0), 20.0))
-    b = 0
-    x = n_s
-    while x > 1:
-        x >>= 1
-        b += 1
-    lb_seqs[b] += 1
-    lb_tokens[b] += n_s
-    lb_abs_l[b] += abs_l
-    lb_k3[b] += k3_s
-    if big_l < mis_lo or big_l > mis_hi:
-        cnt[_C_TOK + 5] += n_s
-        cnt[_C_SEQR + 0] += 1
-    if g < geo_lo or g > geo_hi:
-        cnt[_C_TOK + 6] += n_s
-        cnt[_C_SEQR + 1] += 1
-    if k3_s / n_s > kappa:
-        cnt[_C_TOK + 7] += n_s
-        cnt[_C_SEQR + 2] += 1

@@ -1,0 +1,232 @@
+"""The fused kernel's scalar part, per staged chunk: sequences, histogram scatters, top-k.
+
+What it fills is exactly what the original token-by-token walk filled, in the same order where
+order matters for floats:
+
+* per-sequence L and Σk3 are sequential sums in token order (no fast-math: never reassociated).
+  Masked-out positions now join the loop instead of being skipped: the vector phase staged them
+  as δ = +0.0 and k3 = +0.0, and a running sum that starts at +0.0 is never −0.0 in
+  round-to-nearest, so adding +0.0 leaves it unchanged, bit for bit;
+* the rare |δ| > 20 tokens add to the probability sums in token order, after the chunk's vector
+  sums, as before;
+* histogram and heatmap cells are integer counts (any order gives the same counts); masked-out
+  positions add 0 to a valid cell instead of branching;
+* the top-k keeps the walk's exact replacement rule (strictly greater than the current minimum,
+  the first minimal slot is replaced), so ties resolve as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, log
+from timwatch.monitor.core.layout import C, F, M
+
+__all__ = [
+    "bump_table",
+    "close_sequence",
+    "finish_sequence",
+    "fold_fine",
+    "kpop_reject",
+    "walk_chunk",
+]
+
+_C_SEQ, _C_TOK, _C_SEQR = C.sequences, C.tok_reject, C.seq_reject
+_F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
+_M_SEQ_ABS_L = M.seq_abs_l
+_F_PD2 = F.pd2
+
+
+def bump_table(table: np.ndarray, edges: np.ndarray, shift: int) -> np.ndarray:
+    """Per fine bin b, the coarse edge a value of b must pass (`>` for the `le` buckets,
+    `>=` for the left-closed heatmap) to land one coarse bin above `table[b]`: the edge
+    `edges[table[b] + shift]`, or +inf where there is none, so the comparison is one load.
+    """
+    idx = table.astype(np.int64) + shift
+    out = np.full(table.shape[0], np.inf)
+    ok = idx < edges.shape[0]
+    out[ok] = edges[idx[ok]]
+    return out
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
+    """max(D_B(p‖q), D_B(q‖p)) > φ for probabilities clamped to [1e-8, 1 − 1e-8]."""
+    pc = min(max(p, 1e-8), 1.0 - 1e-8)
+    qc = min(max(q, 1e-8), 1.0 - 1e-8)
+    lp = min(max(lp, LOG_P_LO), LOG_P_HI)
+    lq = min(max(lq, LOG_P_LO), LOG_P_HI)
+    lam = log((1.0 - pc) / (1.0 - qc))
+    return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def close_sequence(  # type: ignore[no-untyped-def]
+    n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
+):  # fmt: skip
+    """Sequence statistics, length bucket and sequence-policy decisions of one sequence."""
+    mis_lo, mis_hi, geo_lo, geo_hi, kappa = params[7], params[8], params[9], params[10], params[11]
+    cnt[_C_SEQ] += 1
+    abs_l = abs(big_l)
+    fsum[_F_SEQ_ABS_L] += abs_l
+    fext[_M_SEQ_ABS_L] = max(fext[_M_SEQ_ABS_L], abs_l)
+    g = big_l / n_s
+    fsum[_F_SEQ_GEO] += math.exp(min(max(g, -20.0), 20.0))
+    fsum[_F_SEQ_EXP2L] += math.exp(2.0 * min(max(big_l, -20.0), 20.0))
+    b = 0
+    x = n_s
+    while x > 1:
+        x >>= 1
+        b += 1
+    lb_seqs[b] += 1
+    lb_tokens[b] += n_s
+    lb_abs_l[b] += abs_l
+    lb_k3[b] += k3_s
+    if big_l < mis_lo or big_l > mis_hi:
+        cnt[_C_TOK + 5] += n_s
+        cnt[_C_SEQR + 0] += 1
+    if g < geo_lo or g > geo_hi:
+        cnt[_C_TOK + 6] += n_s
+        cnt[_C_SEQR + 1] += 1
+    if k3_s / n_s > kappa:
+        cnt[_C_TOK + 7] += n_s
+        cnt[_C_SEQR + 2] += 1
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def finish_sequence(  # type: ignore[no-untyped-def]
+    wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
+):  # fmt: skip
+    """Close the running sequence if it has masked tokens, and reset the running sums."""
+    if wst[2] > 0:
+        close_sequence(
+            wst[2], wacc[0], wacc[1], fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
+        )  # fmt: skip
+    wst[2] = 0
+    wacc[0] = 0.0
+    wacc[1] = 0.0
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
+    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
+    fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+    ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
+    ad_bump, s_edges, h_edges, hd_edges,
+):  # fmt: skip
+    """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
+    sums (wst = (sequence, its end, masked tokens so far), wacc = (L, Σk3)), closing every
+    sequence that ends inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
+    probabilities; the top-k (wk[0] is its minimal slot).
+
+    ad2[2·b + u] counts the tokens of fine |δ| bin b that are (u = 1) or are not above the
+    coarse edge inside that bin (`bump_table`); the ESTR score's coarse bin counts the edges the
+    score is above (the `le` bucket's definition); heat2 counts heatmap cells, rejected
+    by ESTR in its second half. `fold_fine` turns them into the accumulator's histograms, with
+    the counts the per-token coarse lookups gave. Heatmap cells count the inner grid edges a
+    value passes (the left-closed grid's definition). Cell indices are computed in loops of
+    their own (lookups and compares, no scatter; the heatmap's vectorises); the scatters share
+    the sequential loop of the sequence sums, whose add latency they hide.
+    """
+    tau, eps, phi = params[0], params[1], params[5]
+    n_cells = heat2.shape[0] // 2
+    m = c1 - c0
+    for j in range(m):
+        if abs(b_d[j]) > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped)
+            mu = x_mu[j]
+            pi = x_pi[j]
+            q = math.exp(mu)
+            ep = math.exp(pi)
+            pdiff = abs(ep - q)
+            fsum[10] += pdiff
+            fext[1] = max(fext[1], pdiff)
+            cnt[_C_TOK + 3] += kpop_reject(ep, q, pi, mu, phi)
+            fsum[_F_PD2] += pdiff * pdiff
+            fsum[_F_PD2 + 1] += ep
+            fsum[_F_PD2 + 2] += q
+            fsum[_F_PD2 + 3] += ep * ep
+            fsum[_F_PD2 + 4] += q * q
+            fsum[_F_PD2 + 5] += ep * q
+    k_ad = cells[0]
+    k_s = cells[1]
+    k_h = cells[2]
+    for j in range(m):
+        fb = b_fb[j]
+        k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[fb])
+    # edges as scalars: compares only, so this loop vectorises
+    s1, s2, s3, s4, s5, s6, s7, s8 = s_edges[0:8]
+    s9, s10, s11, s12, s13, s14, s15, s16 = s_edges[8:16]
+    d1, d2, d3, d4, d5 = hd_edges[1], hd_edges[2], hd_edges[3], hd_edges[4], hd_edges[5]
+    e1, e2, e3, e4, e5, e6 = h_edges[1], h_edges[2], h_edges[3], h_edges[4], h_edges[5], h_edges[6]
+    for j in range(m):
+        d = b_d[j]
+        ad = abs(d)
+        h = x_h[j] if x_on[j] != 0 else 0.0
+        hc = np.int64(ad >= d1) + (ad >= d2) + (ad >= d3) + (ad >= d4) + (ad >= d5)
+        hr = np.int64(h >= e1) + (h >= e2) + (h >= e3) + (h >= e4) + (h >= e5) + (h >= e6)
+        k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
+        x = b_score[j]
+        c = np.int64(x > s1) + (x > s2) + (x > s3) + (x > s4) + (x > s5) + (x > s6) + (x > s7)
+        c += np.int64(x > s8) + (x > s9) + (x > s10) + (x > s11) + (x > s12) + (x > s13)
+        k_s[j] = c + (x > s14) + (x > s15) + (x > s16)
+    nseq = cu.shape[0] - 1
+    wmin = wk[0]
+    thr = worst_score[wmin]
+    a = c0
+    while a < c1:
+        end = wst[1]
+        b = min(end, c1)
+        n_s = wst[2]
+        big_l = wacc[0]
+        k3_s = wacc[1]
+        for j in range(a - c0, b - c0):
+            on = x_on[j] != 0
+            n_s += on
+            big_l += b_d[j]
+            k3_s += b_k3[j]
+            ad2[k_ad[j]] += on
+            prom_s[k_s[j]] += on
+            heat2[k_h[j]] += on
+            score = b_score[j]
+            if on and score > thr:
+                worst_score[wmin] = score
+                worst_index[wmin] = c0 + j
+                for i in range(worst_score.shape[0]):
+                    if worst_score[i] < worst_score[wmin]:
+                        wmin = i
+                thr = worst_score[wmin]
+        wst[2] = n_s
+        wacc[0] = big_l
+        wacc[1] = k3_s
+        a = b
+        if b == end and end < n:
+            finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
+            s = wst[0] + 1
+            while s < nseq and cu[s + 1] == end:
+                s += 1
+            wst[0] = s
+            wst[1] = cu[s + 1] if s < nseq else n
+    wk[0] = wmin
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def fold_fine(  # type: ignore[no-untyped-def]
+    ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table,
+):  # fmt: skip
+    """Add the split counts of `walk_chunk` to the fine, coarse and heatmap histograms."""
+    flat_all = heat_all.reshape(-1)
+    flat_rej = heat_rej.reshape(-1)
+    n_cells = flat_all.shape[0]
+    for i in range(n_cells):
+        flat_all[i] += heat2[i] + heat2[n_cells + i]
+        flat_rej[i] += heat2[n_cells + i]
+    for b in range(hist_ad.shape[0]):
+        lo = ad2[2 * b]
+        hi = ad2[2 * b + 1]
+        hist_ad[b] += lo + hi
+        prom_ad[ad_table[b]] += lo
+        if hi:
+            prom_ad[ad_table[b] + 1] += hi
