@@ -33,7 +33,8 @@ def load(dirs: list[Path]) -> list[dict[str, Any]]:
             for line in d.open():
                 r = json.loads(line)
                 cols = r.pop("log")
-                r["log"] = [dict(zip(cols, vals, strict=True)) for vals in zip(*cols.values(), strict=True)]
+                rows = zip(*cols.values(), strict=True)
+                r["log"] = [dict(zip(cols, vals, strict=True)) for vals in rows]
                 r["series"], r["dir"] = [], None
                 runs.append(_with_firsts(r))
             continue
