@@ -81,7 +81,7 @@ CONFIGS: dict[str, LabConfig] = {
         "lag2b-estr", engine="bf16", lag=2, proximal="behaviour", correction="estr"
     ),
     **_family("topk", LabConfig("topk", engine="topk", top_k=8, top_p=0.9)),
-    # pushed sources (benchmarks/collapse_lab/README: how far they had to be pushed): int4-style
+    # pushed sources (docs/early-warning.md: how far they had to be pushed): int4-style
     # per-tensor rounding of the engine's weights at 3x the learning rate, with the matched
     # fp32 engine at the same learning rate as control
     **_family("int4lr3", LabConfig("int4lr3", engine="int4", lr=3e-3)),

@@ -89,6 +89,34 @@ def outcomes(runs: list[dict[str, Any]]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def rates(runs: list[dict[str, Any]]) -> str:
+    """Per source (matched controls apart): how often the first page came before the onset on
+    collapsed runs, against how often a page came at all on runs that did not collapse. Equal
+    shares mean the page does not tell the two apart, whatever its lead."""
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        c = r["config"]
+        by[c if c.startswith("control") else c.split("-")[0]].append(r)
+    rows = [
+        "| source | runs | collapsed | collapsed runs paged before onset | runs without a "
+        "collapse paged | runs warned at step 16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for src, rs in sorted(by.items()):
+        col = [r for r in rs if r["collapse_step"] is not None]
+        calm = [r for r in rs if r["collapse_step"] is None]
+        hit = sum(
+            r["first_page"] is not None and r["first_page"] <= r["collapse_step"] for r in col
+        )
+        paged = sum(r["first_page"] is not None for r in calm)
+        early = sum(r["first_warning"] == 16 for r in rs)
+        rows.append(
+            f"| {src} | {len(rs)} | {len(col)} | {hit}/{len(col)} | {paged}/{len(calm)} "
+            f"| {early}/{len(rs)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 def _cell(values: list[Any]) -> str:
     return ", ".join("–" if v is None else str(v) for v in values)
 
@@ -203,7 +231,7 @@ def main(
 ) -> None:
     """Print the lead-time table of the runs under DIRS; optionally write it and the plots."""
     runs = load(dirs)
-    text = table(runs) + "\n" + outcomes(runs)
+    text = table(runs) + "\n" + outcomes(runs) + "\n" + rates(runs)
     print(text)
     if md is not None:
         md.write_text(text)
