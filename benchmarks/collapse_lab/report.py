@@ -56,8 +56,9 @@ def load(dirs: list[Path]) -> list[dict[str, Any]]:
 
 def export(runs: list[dict[str, Any]], path: Path) -> None:
     """One line per run: what the tables need (the collapse step as computed from the full-
-    precision log, firings, forecast-grid firings) and the per-step log at 4 significant digits."""
-    keys = ("step", "reward", "grad_norm", "entropy", "mismatch_kl", "mask_ratio")
+    precision log, firings, forecast-grid firings) and the per-step reward, gradient norm and
+    enforced mask ratio at 4 significant digits (the plots need the run folders)."""
+    keys = ("reward", "grad_norm", "mask_ratio")  # what the tables read
     with open(path, "w") as f:
         for r in sorted(runs, key=lambda r: (r["config"], r["seed"])):
             rec = {k: r[k] for k in ("config", "seed", "steps", "collapse_step", "firings")}
