@@ -27,8 +27,10 @@ GRAD_FLOOR = 10.0
 class LabConfig:
     """One lab configuration. ``engine``: fp32 (matched control), bf16 (KV-cache decode in bf16),
     fp8 (bf16 engine whose weight copy is rounded to float8 e4m3 with a per-tensor scale, as FP8
-    rollouts do) or topk (bf16 engine sampling the top-k/top-p processed distribution and
-    reporting its log-probs). ``lag``: rollout weights this many versions old. ``correction``:
+    rollouts do), e5m2 (the same with float8 e5m2, 2 mantissa bits), int4 (symmetric per-tensor
+    int4 rounding of the weight copy: 15 levels, then bf16) or topk (bf16 engine). Any engine
+    with ``top_k`` > 0 or ``top_p`` < 1 samples the top-k/top-p processed distribution and
+    reports its log-probs. ``lag``: rollout weights this many versions old. ``correction``:
     none, tis (truncated IS weight min(π_old/μ, 2)), icepop (drop tokens with π_old/μ outside
     [0.5, 5]) or estr (drop tokens with δ² > τ(H + 0.01)), all on decoupled PPO-clip:
     ρ = π/π_old with π_old the fp32 recomputation under the current weights before the update,
@@ -79,6 +81,17 @@ CONFIGS: dict[str, LabConfig] = {
         "lag2b-estr", engine="bf16", lag=2, proximal="behaviour", correction="estr"
     ),
     **_family("topk", LabConfig("topk", engine="topk", top_k=8, top_p=0.9)),
+    # pushed sources (docs/early-warning.md: how far they had to be pushed): int4-style
+    # per-tensor rounding of the engine's weights at 3x the learning rate, with the matched
+    # fp32 engine at the same learning rate as control
+    **_family("int4lr3", LabConfig("int4lr3", engine="int4", lr=3e-3)),
+    "control-lr3": LabConfig("control-lr3", engine="fp32", lr=3e-3),
+    # lag 2 with π_old under the rollout's weights (as lag2b) at 3x the learning rate, and its
+    # matched control: the same lag and learning rate with an fp32 engine
+    **_family("lag2blr3", LabConfig("lag2blr3", lag=2, proximal="behaviour", lr=3e-3)),
+    "control-lag2blr3": LabConfig(
+        "control-lag2blr3", engine="fp32", lag=2, proximal="behaviour", lr=3e-3
+    ),
     # the CI miniature: short enough for a ≤ 60 s stack test, long enough for the rules
     "mini": LabConfig("mini", engine="fp8", steps=40, prompts=4, group=4),
 }

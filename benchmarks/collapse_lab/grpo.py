@@ -45,6 +45,21 @@ def _fp8_round(w: torch.Tensor) -> torch.Tensor:
     return (w / scale).to(FP8).to(torch.float32) * scale
 
 
+def _e5m2_round(w: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scaled float8 e5m2 round trip (2 mantissa bits; 57344 its largest finite)."""
+    scale = w.abs().max().clamp(min=1e-12) / 57344.0
+    return (w / scale).to(torch.float8_e5m2).to(torch.float32) * scale
+
+
+def _int4_round(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-tensor int4 round trip: 15 levels, scale = max |w| / 7."""
+    scale = w.abs().max().clamp(min=1e-12) / 7.0
+    return (w / scale).round().clamp(-7, 7) * scale
+
+
+_ROUNDING = {"fp8": _fp8_round, "e5m2": _e5m2_round, "int4": _int4_round}
+
+
 def _processed(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Log-probs of the top-k then top-p truncated, renormalised distribution."""
     logp = F.log_softmax(logits.float(), dim=-1)
@@ -75,8 +90,9 @@ class LabTrainer:
         self.gen = torch.Generator().manual_seed(seed + 1)
 
     def _load_engine(self, state: dict[str, torch.Tensor]) -> None:
-        if self.cfg.engine == "fp8":
-            state = {k: _fp8_round(v) if v.dim() == 2 else v for k, v in state.items()}
+        rnd = _ROUNDING.get(self.cfg.engine)
+        if rnd is not None:
+            state = {k: rnd(v) if v.dim() == 2 else v for k, v in state.items()}
         self.engine.load_state_dict(state)
 
     @torch.no_grad()
@@ -95,7 +111,7 @@ class LabTrainer:
                 nxt = prompt[:, pos + 1]
                 continue
             logits = eng._logits(x[:, 0])
-            if cfg.engine == "topk":
+            if cfg.top_k > 0 or cfg.top_p < 1.0:
                 logp = _processed(logits, cfg.top_k, cfg.top_p)
             else:
                 logp = F.log_softmax(logits.float(), dim=-1)

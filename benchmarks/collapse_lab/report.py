@@ -18,22 +18,104 @@ import typer
 from benchmarks.collapse_lab.configs import collapse_onset
 
 
+def _with_firsts(r: dict[str, Any]) -> dict[str, Any]:
+    for sev in ("page", "warning"):
+        hits = [f["step"] for f in r["firings"] if f["severity"] == sev]
+        r[f"first_{sev}"] = min(hits) if hits else None
+    return r
+
+
 def load(dirs: list[Path]) -> list[dict[str, Any]]:
+    """Runs from lab output folders (DIR/*/result.json) or from `--export` summary files."""
     runs = []
     for d in dirs:
+        if d.is_file():  # a committed summary: one run per line, the log as per-step arrays
+            for line in d.open():
+                r = json.loads(line)
+                cols = r.pop("log")
+                rows = zip(*cols.values(), strict=True)
+                r["log"] = [dict(zip(cols, vals, strict=True)) for vals in rows]
+                r["series"], r["dir"] = [], None
+                runs.append(_with_firsts(r))
+            continue
         for res in sorted(d.glob("*/result.json")):
             r = json.loads(res.read_text())
             steps = [json.loads(line) for line in (res.parent / "steps.jsonl").open()]
-            series = [json.loads(line) for line in (res.parent / "series.jsonl").open()]
+            spath = res.parent / "series.jsonl"  # not committed: the plots need it, not the table
+            series = [json.loads(line) for line in spath.open()] if spath.exists() else []
             r["collapse_step"] = collapse_onset(
                 [s["reward"] for s in steps], [s["grad_norm"] for s in steps]
             )
-            r["log"], r["series"] = steps, series
-            for sev in ("page", "warning"):
-                hits = [f["step"] for f in r["firings"] if f["severity"] == sev]
-                r[f"first_{sev}"] = min(hits) if hits else None
-            runs.append(r)
+            r["log"], r["series"], r["dir"] = steps, series, str(res.parent)
+            grid = res.parent / "forecast.json"
+            if grid.exists():
+                r["grid"] = json.loads(grid.read_text())
+            runs.append(_with_firsts(r))
     return runs
+
+
+def export(runs: list[dict[str, Any]], path: Path) -> None:
+    """One line per run: what the tables need (the collapse step as computed from the full-
+    precision log, firings, forecast-grid firings) and the per-step reward, gradient norm and
+    enforced mask ratio at 4 significant digits (the plots need the run folders)."""
+    keys = ("reward", "grad_norm", "mask_ratio")  # what the tables read
+    with open(path, "w") as f:
+        for r in sorted(runs, key=lambda r: (r["config"], r["seed"])):
+            rec = {k: r[k] for k in ("config", "seed", "steps", "collapse_step", "firings")}
+            rec["settings"], rec["grid"] = r["settings"], r.get("grid")
+            rec["log"] = {k: [float(f"{s[k]:.4g}") for s in r["log"]] for k in keys}
+            f.write(json.dumps(rec) + "\n")
+
+
+def outcomes(runs: list[dict[str, Any]]) -> str:
+    """Final reward (mean of the last 20 steps), run-mean enforced mask ratio and largest
+    gradient norm after the warm-up, per seed in seed order."""
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        by[r["config"]].append(r)
+    rows = [
+        "| configuration | final reward | enforced mask ratio, run mean | largest grad norm "
+        "after step 20 |",
+        "|---|---|---|---|",
+    ]
+    for cfg, rs in by.items():
+        rs.sort(key=lambda r: r["seed"])
+        final = [sum(s["reward"] for s in r["log"][-20:]) / 20 for r in rs]
+        mask = [sum(s["mask_ratio"] for s in r["log"]) / len(r["log"]) for r in rs]
+        grad = [max(s["grad_norm"] for s in r["log"][20:]) for r in rs]
+        rows.append(
+            f"| {cfg} | {', '.join(f'{v:.2f}' for v in final)} "
+            f"| {', '.join(f'{v:.3f}' for v in mask)} | {', '.join(f'{v:.0f}' for v in grad)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def rates(runs: list[dict[str, Any]]) -> str:
+    """Per source (matched controls apart): how often the first page came before the onset on
+    collapsed runs, against how often a page came at all on runs that did not collapse. Equal
+    shares mean the page does not tell the two apart, whatever its lead."""
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        c = r["config"]
+        by[c if c.startswith("control") else c.split("-")[0]].append(r)
+    rows = [
+        "| source | runs | collapsed | collapsed runs paged before onset | runs without a "
+        "collapse paged | runs warned at step 16 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for src, rs in sorted(by.items()):
+        col = [r for r in rs if r["collapse_step"] is not None]
+        calm = [r for r in rs if r["collapse_step"] is None]
+        hit = sum(
+            r["first_page"] is not None and r["first_page"] <= r["collapse_step"] for r in col
+        )
+        paged = sum(r["first_page"] is not None for r in calm)
+        early = sum(r["first_warning"] == 16 for r in rs)
+        rows.append(
+            f"| {src} | {len(rs)} | {len(col)} | {hit}/{len(col)} | {paged}/{len(calm)} "
+            f"| {early}/{len(rs)} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def _cell(values: list[Any]) -> str:
@@ -100,7 +182,12 @@ def plot(runs: list[dict[str, Any]], source: str, path: Path, seed: int = 0) -> 
     import matplotlib.pyplot as plt
 
     chosen = [r for r in runs if r["seed"] == seed and r["config"].split("-")[0] in (source,)]
-    chosen += [r for r in runs if r["seed"] == seed and r["config"] == "control"]
+    # the matched control: an fp32 engine at the source's lag, learning rate and proximal policy
+    key = ("lag", "lr", "proximal")
+    ref = chosen[0]["settings"] if chosen else {}
+    controls = [r for r in runs if r["seed"] == seed and r["config"].startswith("control")]
+    matched = [r for r in controls if all(r["settings"][k] == ref.get(k) for k in key)]
+    chosen += matched or [r for r in controls if r["config"] == "control"]
     fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     for i, r in enumerate(chosen):
         c = f"C{i}"
@@ -136,16 +223,21 @@ def plot(runs: list[dict[str, Any]], source: str, path: Path, seed: int = 0) -> 
 
 
 def main(
-    dirs: Annotated[list[Path], typer.Argument(help="lab output folders")],
-    md: Annotated[Path | None, typer.Option(help="write the table here")] = None,
+    dirs: Annotated[list[Path], typer.Argument(help="lab output folders or --export files")],
+    md: Annotated[Path | None, typer.Option(help="write the tables here")] = None,
     plots: Annotated[Path | None, typer.Option(help="write one PNG per source here")] = None,
+    export_to: Annotated[
+        Path | None, typer.Option("--export", help="write a per-run summary (JSON lines)")
+    ] = None,
 ) -> None:
     """Print the lead-time table of the runs under DIRS; optionally write it and the plots."""
     runs = load(dirs)
-    text = table(runs)
+    text = table(runs) + "\n" + outcomes(runs) + "\n" + rates(runs)
     print(text)
     if md is not None:
         md.write_text(text)
+    if export_to is not None:
+        export(runs, export_to)
     if plots is not None:
         plots.mkdir(parents=True, exist_ok=True)
         sources = sorted({r["config"].split("-")[0] for r in runs} - {"control", "mini"})

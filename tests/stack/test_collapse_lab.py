@@ -66,3 +66,35 @@ def test_replay_reports_when_a_shipped_alert_first_fires() -> None:
         ("TimwatchMismatchKLHigh", "warning", 16)
     ]
     assert first_firings(series(0.001)) == []
+
+
+def test_forecast_candidate_fires_before_the_kl_page_on_exponential_growth(tmp_path: Path) -> None:
+    """One forecasting candidate of the lab's grid, evaluated by promtool with the shipped
+    rules: k3 KL 1e-3 for 60 steps, then growing 10 % a step (a straight line in log10).
+    The 10-min log-slope projects the page level (twice the hour-before mean) within 30 min
+    long before TimwatchMismatchKLRising (which needs its 30-min mean doubled, for 15 min)
+    fires; a flat KL projects nothing and fires nothing."""
+    import yaml
+
+    from benchmarks.collapse_lab.forecast import candidate_rules, name
+
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump(candidate_rules([(10, 30, 5)]), sort_keys=False))
+    run = 'run="r"'
+
+    def series(growth: float, steps: int = 120) -> list[dict[str, float]]:
+        kl = [1e-3 * (growth ** max(0, i - 60)) for i in range(steps)]
+        out, total = [], 0.0
+        for i in range(steps):
+            total += kl[i] * 100
+            out.append(
+                {f"timwatch_token_kl_sum{{{run}}}": total,
+                 f"timwatch_token_kl_count{{{run}}}": 100.0 * (i + 1)}
+            )  # fmt: skip
+        return out
+
+    fired = {f["alert"]: f["step"] for f in first_firings(series(1.1), rules=rules)}
+    forecast = fired[name(10, 30, 5)]
+    assert forecast < fired["TimwatchMismatchKLRising"]
+    assert 60 < forecast
+    assert first_firings(series(1.0), rules=rules) == []
