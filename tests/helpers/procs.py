@@ -69,7 +69,9 @@ def running_process(args: list[str], ready_url: str) -> Iterator[subprocess.Pope
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env)
     try:
-        deadline = time.monotonic() + 30
+        # a readiness wait, not a timing check: on a fresh clone a loaded box compiles the
+        # numba scanners on first import, which took over 30 s in CI
+        deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, f"{args[:2]} exited with {proc.returncode}"
             try:

@@ -54,18 +54,21 @@ def _fuzz(url: str, tmp_path: Path, examples: int) -> None:
     assert "Tested: 0" not in done.stdout, tail
 
 
+@pytest.mark.timeout(660)  # the schemathesis subprocess has 600 s; a loaded CI box needs them
 def test_schemathesis_sqlite(server_factory: Any, tmp_path: Path) -> None:
     srv = server_factory()
     _fuzz(srv.url, tmp_path, examples=25)
     assert "Traceback" not in srv.output()
 
 
+@pytest.mark.timeout(660)  # the schemathesis subprocess has 600 s; a loaded CI box needs them
 def test_schemathesis_postgres(server_factory: Any, pg_url: str, tmp_path: Path) -> None:
     srv = server_factory(db=pg_url)
     _fuzz(srv.url, tmp_path, examples=10)
     assert "Traceback" not in srv.output()
 
 
+@pytest.mark.timeout(660)  # the schemathesis subprocess has 600 s; a loaded CI box needs them
 def test_schemathesis_with_tokens_set_and_none_sent(server_factory: Any, tmp_path: Path) -> None:
     """Every operation but /healthz answers 401 without credentials: documented everywhere."""
     srv = server_factory(env={"TIMWATCH_TOKEN": "w-secret", "TIMWATCH_READ_TOKEN": "r-secret"})
