@@ -106,7 +106,7 @@ def test_level_grid_reads_each_threshold_and_the_rules_before_the_lab() -> None:
     thresholds 0.01 and 0.02 (firing at step 16, as the shipped alert) and none from 0.05 up;
     the combination of the thresholds before the lab warns at 16, one with the KL part at 0.1
     and the mask parts removed never does."""
-    from benchmarks.collapse_lab.levels import SHIPPED, alert_name, first_warning, level_firings
+    from benchmarks.collapse_lab.levels import BEFORE, alert_name, first_warning, level_firings
 
     run = 'run="r"'
     series = [
@@ -120,5 +120,5 @@ def test_level_grid_reads_each_threshold_and_the_rules_before_the_lab() -> None:
     assert levels[alert_name("kl", 0.01)] == levels[alert_name("kl", 0.02)] == 16
     assert all(levels[alert_name("kl", t)] is None for t in (0.05, 0.1, 0.2, 0.3, 0.5, 1.0))
     assert all(v is None for k, v in levels.items() if not k.startswith("Level_kl_"))
-    assert first_warning(levels, dict(SHIPPED)) == 16
+    assert first_warning(levels, dict(BEFORE)) == 16
     assert first_warning(levels, {"kl": 0.1, "tok": None, "seq": None, "geo": None}) is None
