@@ -136,7 +136,7 @@ def _groups(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             return "matched fp32 controls"
         if c.startswith(("int4lr3", "lag2blr3")):
             return "pushed sources (int4lr3, lag2blr3)"
-        return "lr 1e-3 mismatched (bf16, topk, fp8, lag2b)"
+        return "lr 1e-3 mismatched (bf16, topk, fp8, lag2, lag2b)"
 
     out: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
