@@ -72,7 +72,7 @@ def _kl_cell_overrides() -> list[dashboard_m.DynamicConfigValue]:
     steps = [
         {"color": "green", "value": None},
         {"color": "orange", "value": 1e-3},
-        {"color": "red", "value": 1e-2},
+        {"color": "red", "value": 2e-2},
     ]
     return [
         dashboard_m.DynamicConfigValue("thresholds", {"mode": "absolute", "steps": steps}),
@@ -149,7 +149,7 @@ def build() -> dashboard_b.Dashboard:
                 ids,
                 "Mismatch KL by run (worst first)",
                 "Window mean k3 KL per run, largest first. Healthy: every bar < 1e-3 for bf16; "
-                "a run above 1e-2 is heading for collapse.",
+                "a run above 2e-2 is off-policy (TimwatchMismatchKLHigh).",
                 "sci",
                 [(f"sort_desc({KL_WINDOW})", "{{run}}", True)],
                 width=9,

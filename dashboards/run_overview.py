@@ -84,7 +84,8 @@ def build() -> dashboard_b.Dashboard:
                 ids,
                 "Mismatch KL (k3)",
                 "Mean k3 KL(μ‖π) per token over the window (sums/counts). Healthy: flat and "
-                "< 1e-3 for bf16 rollouts (~1e-5 fp16); a steady rise or > 1e-2 precedes collapse.",
+                "< 1e-3 for bf16 rollouts (~1e-5 fp16); "
+                "> 2e-2 is off-policy (TimwatchMismatchKLHigh).",
                 "sci",
                 [(KL_WINDOW, "{{run}}")],
                 log_scale=True,

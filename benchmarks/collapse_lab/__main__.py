@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from benchmarks.collapse_lab.configs import CONFIGS, LabConfig, collapse_onset
-from benchmarks.collapse_lab.replay import first_firings
+from benchmarks.collapse_lab.replay import RULES, first_firings
 from benchmarks.collapse_lab.serve import LabServer, snapshot
 
 
@@ -38,7 +38,12 @@ def lead_summary(onset: int | None, firings: list[dict[str, Any]]) -> dict[str, 
 
 
 def run_one(
-    cfg: LabConfig, seed: int, server: LabServer, out: Path, progress: Progress
+    cfg: LabConfig,
+    seed: int,
+    server: LabServer,
+    out: Path,
+    progress: Progress,
+    rules: Path = RULES,
 ) -> dict[str, Any]:
     from benchmarks.collapse_lab.grpo import LabTrainer
     from timwatch.sidecar.tap import Tap
@@ -68,7 +73,7 @@ def run_one(
     with open(rundir / "series.jsonl", "w") as f:
         f.writelines(json.dumps(s) + "\n" for s in series)
     onset = collapse_onset([r["reward"] for r in logs], [r["grad_norm"] for r in logs])
-    firings = first_firings(series)
+    firings = first_firings(series, rules=rules)
     result = {
         "config": cfg.name, "seed": seed, "steps": cfg.steps, "collapse_step": onset,
         "firings": firings, **lead_summary(onset, firings), "wall_s": round(wall, 1),
@@ -83,6 +88,7 @@ def main(
     seeds: Annotated[str, typer.Option("--seeds", "--seed", help="comma list of seeds")] = "0",
     out: Annotated[Path, typer.Option(help="output folder")] = Path("collapse-lab-runs"),
     steps: Annotated[int, typer.Option(help="override the steps per run (0: config's)")] = 0,
+    rules: Annotated[Path, typer.Option(help="rules file to replay against")] = RULES,
 ) -> None:
     """Run lab configurations through tap → timwatch serve → promtool-evaluated shipped rules."""
     names = [c.strip() for c in config.split(",") if c.strip()]
@@ -103,7 +109,7 @@ def main(
             for name in names:
                 cfg = CONFIGS[name] if steps <= 0 else replace(CONFIGS[name], steps=steps)
                 for seed in seed_list:
-                    r = run_one(cfg, seed, server, out, progress)
+                    r = run_one(cfg, seed, server, out, progress, rules)
                     fired = ", ".join(f"{f['alert']}@{f['step']}" for f in r["firings"])
                     progress.console.print(
                         f"{name} seed {seed}: collapse {r['collapse_step']} · "

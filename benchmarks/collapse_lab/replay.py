@@ -84,3 +84,30 @@ def first_firings(
             }
         )
     return sorted(firings, key=lambda f: (f["step"], f["alert"]))
+
+
+def rereplay(dirs: list[Path], rules: Path = RULES) -> int:
+    """Replace the firings of every run under ``dirs`` (DIR/*/result.json) by a replay of its
+    stored series against ``rules``; returns the number of runs rewritten."""
+    import json
+
+    from benchmarks.collapse_lab.__main__ import lead_summary
+
+    n = 0
+    for d in dirs:
+        for res in sorted(d.glob("*/result.json")):
+            series = [json.loads(line) for line in (res.parent / "series.jsonl").open()]
+            r = json.loads(res.read_text())
+            r["firings"] = first_firings(series, rules=rules)
+            r.update(lead_summary(r["collapse_step"], r["firings"]))
+            r["rules"] = str(rules)
+            res.write_text(json.dumps(r, indent=1))
+            n += 1
+    return n
+
+
+if __name__ == "__main__":
+    import sys
+
+    # python -m benchmarks.collapse_lab.replay RULES_FILE DIR [DIR…]
+    print(f"replayed {rereplay([Path(p) for p in sys.argv[2:]], Path(sys.argv[1]))} runs")

@@ -50,6 +50,9 @@ def load(dirs: list[Path]) -> list[dict[str, Any]]:
             grid = res.parent / "forecast.json"
             if grid.exists():
                 r["grid"] = json.loads(grid.read_text())
+            levels = res.parent / "levels.json"  # benchmarks/collapse_lab/levels.py
+            if levels.exists():
+                r["levels"] = json.loads(levels.read_text())
             runs.append(_with_firsts(r))
     return runs
 
@@ -63,6 +66,7 @@ def export(runs: list[dict[str, Any]], path: Path) -> None:
         for r in sorted(runs, key=lambda r: (r["config"], r["seed"])):
             rec = {k: r[k] for k in ("config", "seed", "steps", "collapse_step", "firings")}
             rec["settings"], rec["grid"] = r["settings"], r.get("grid")
+            rec["levels"] = r.get("levels")
             rec["log"] = {k: [float(f"{s[k]:.4g}") for s in r["log"]] for k in keys}
             f.write(json.dumps(rec) + "\n")
 

@@ -118,7 +118,9 @@ def _mask_lines(policies: list[str]) -> list[tuple[float, str]]:
     """One line per distinct threshold of `policies`, naming the policies it holds for."""
     by_value: dict[float, list[str]] = {}
     for p in policies:
-        by_value.setdefault(MASK_POLICY_THRESHOLDS[p], []).append(p)
+        value = MASK_POLICY_THRESHOLDS[p]
+        if value is not None:
+            by_value.setdefault(value, []).append(p)
     return [
         (v, f"TimwatchMaskRatioHigh: {', '.join(ps)} > {v:g}") for v, ps in sorted(by_value.items())
     ]

@@ -24,7 +24,7 @@ class Threshold(NamedTuple):
 #: series name → the thresholds of the alerts that read it (by the same quantity)
 SERIES_THRESHOLDS: dict[str, tuple[Threshold, ...]] = {
     "mismatch_kl": (
-        Threshold(0.01, "TimwatchMismatchKLHigh", "KL high (10 min mean > 0.01)"),
+        Threshold(0.02, "TimwatchMismatchKLHigh", "KL high (10 min mean > 0.02)"),
         Threshold(0.002, "TimwatchMismatchKLRising", "KL rising: floor 0.002 (with 2x growth)"),
     ),
     "is_ratio_std": (Threshold(0.3, "TimwatchISRatioStdHigh", "IS-ratio std > 0.3"),),
@@ -32,14 +32,15 @@ SERIES_THRESHOLDS: dict[str, tuple[Threshold, ...]] = {
     "version_lag_max": (Threshold(4.0, "TimwatchStalenessHigh", "version lag > 4"),),
 }
 
-#: mask policy → the share of rejected tokens above which TimwatchMaskRatioHigh fires
-MASK_POLICY_THRESHOLDS: dict[str, float] = {
-    "estr": 0.02,
-    "delta_abs": 0.02,
-    "icepop": 0.02,
-    "kpop": 0.02,
-    "tis": 0.02,
-    "seq_mis": 0.2,
-    "k3_rs": 0.2,
-    "geo_rs": 0.5,
+#: mask policy → the share of rejected tokens above which TimwatchMaskRatioHigh fires (None:
+#: the policy's ratio is plotted, no alert reads it; the sequence policies since the collapse lab)
+MASK_POLICY_THRESHOLDS: dict[str, float | None] = {
+    "estr": 0.2,
+    "delta_abs": 0.2,
+    "icepop": 0.2,
+    "kpop": 0.2,
+    "tis": 0.2,
+    "seq_mis": None,
+    "k3_rs": None,
+    "geo_rs": None,
 }

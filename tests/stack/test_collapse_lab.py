@@ -11,6 +11,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.collapse_lab.configs import CONFIGS
@@ -49,7 +50,7 @@ def test_miniature_runs_tap_to_serve_to_promtool(tmp_path: Path) -> None:
 
 def test_replay_reports_when_a_shipped_alert_first_fires() -> None:
     """A hand-made series through the real rules: k3 KL 0.05 per token from step 0 makes
-    TimwatchMismatchKLHigh (10 min mean > 0.01 for 15 min) fire at step 16 of a 1-min clock
+    TimwatchMismatchKLHigh (10 min mean > 0.02 for 15 min) fire at step 16 of a 1-min clock
     (the first 10-min rate exists at 1 min, pending from there, firing 15 min later); a KL of
     0.001 fires nothing."""
     run = 'run="r"'
@@ -98,3 +99,26 @@ def test_forecast_candidate_fires_before_the_kl_page_on_exponential_growth(tmp_p
     assert forecast < fired["TimwatchMismatchKLRising"]
     assert 60 < forecast
     assert first_firings(series(1.0), rules=rules) == []
+
+
+def test_level_grid_reads_each_threshold_and_the_rules_before_the_lab() -> None:
+    """The level-warning grid through promtool: a flat k3 KL of 0.05 per token crosses the KL
+    thresholds 0.01 and 0.02 (firing at step 16, as the shipped alert) and none from 0.05 up;
+    the combination of the thresholds before the lab warns at 16, one with the KL part at 0.1
+    and the mask parts removed never does."""
+    from benchmarks.collapse_lab.levels import BEFORE, alert_name, first_warning, level_firings
+
+    run = 'run="r"'
+    series = [
+        {f"timwatch_token_kl_sum{{{run}}}": 0.05 * 100 * (i + 1),
+         f"timwatch_token_kl_count{{{run}}}": 100.0 * (i + 1)}
+        for i in range(40)
+    ]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        levels = level_firings(Path(tmp), series)
+        assert (Path(tmp) / "levels.json").exists()
+    assert levels[alert_name("kl", 0.01)] == levels[alert_name("kl", 0.02)] == 16
+    assert all(levels[alert_name("kl", t)] is None for t in (0.05, 0.1, 0.2, 0.3, 0.5, 1.0))
+    assert all(v is None for k, v in levels.items() if not k.startswith("Level_kl_"))
+    assert first_warning(levels, dict(BEFORE)) == 16
+    assert first_warning(levels, {"kl": 0.1, "tok": None, "seq": None, "geo": None}) is None

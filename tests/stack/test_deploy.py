@@ -394,7 +394,7 @@ def test_prometheusrule_is_in_sync_with_alerts() -> None:
 
 def test_prometheusrule_check_flags_a_stale_manifest(tmp_path: Path) -> None:
     stale = tmp_path / "prometheusrule.yaml"
-    stale.write_text((K8S / "prometheusrule.yaml").read_text().replace("> 0.01", "> 0.02", 1))
+    stale.write_text((K8S / "prometheusrule.yaml").read_text().replace("> 0.02", "> 0.03", 1))
     check = _run(sys.executable, K8S / "make_prometheusrule.py", "--check", "--out", stale)
     assert check.returncode == 1 and "out of date" in check.stderr
 
