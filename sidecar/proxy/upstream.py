@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from timwatch.monitor.core.errors import UpstreamError
-from timwatch.sidecar.proxy.dechunk import DechunkError, Dechunker
+from timwatch.sidecar.proxy.dechunk import Dechunker, DechunkError
 
 __all__ = ["Upstream", "UpstreamResponse", "UpstreamError"]
 
