@@ -91,3 +91,46 @@ def test_broken_framing_raises_when_cut_anywhere() -> None:
         with pytest.raises(DechunkError):
             d.feed(wire[:cut])
             d.feed(wire[cut:])
+
+
+def test_upstream_reads_a_chunked_answer_whole_and_keeps_the_connection() -> None:
+    """`Upstream` takes any chunked body raw (here an error answer read with ``read``, as the
+    proxy passes non-200 answers back), trailers included, and reuses the connection after."""
+    import asyncio
+
+    from timwatch.sidecar.proxy.upstream import Upstream
+
+    wire = _wire(PARTS, b"%X;e=1", b"x-trailer: 1\r\n")
+
+    async def run() -> tuple[list[tuple[int, bytes]], int]:
+        connections = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            for status in (500, 200):
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+                head = b"HTTP/1.1 %d X\r\ntransfer-encoding: chunked\r\n\r\n" % status
+                for i in range(0, len(head + wire), 7):  # many small writes
+                    writer.write((head + wire)[i : i + 7])
+                    await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        up = Upstream(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", timeout_s=10)
+        got = []
+        try:
+            for _ in range(2):
+                resp = await up.request("POST", "/generate", [], b"{}")
+                got.append((resp.status, await resp.read()))
+                resp.release()
+        finally:
+            await up.aclose()
+            server.close()
+            await server.wait_closed()
+        return got, connections
+
+    got, connections = asyncio.run(run())
+    assert got == [(500, b"".join(PARTS)), (200, b"".join(PARTS))]
+    assert connections == 1
