@@ -4,8 +4,10 @@ The stand-in (`benchmarks/sglang_standin.py`) and this process's load generator 
 the proxy runs alone on core 1 (``taskset``). Each scenario is measured direct (client →
 engine) and through the proxy (client → proxy → engine) back to back in the same run, and the
 ratio is printed; captured tokens/s is the proxy's ``captured`` counter over the window, "busy"
-the share of its core the proxy used (from /proc), and "per core" captured tokens per proxy
-CPU-second: what one fully loaded proxy core would capture (streams are engine-bound here).
+the share of its core the proxy used (from /proc), "waited" the share of the window it was
+ready to run but waited for its core (the kernel's run-queue delay, /proc/<pid>/schedstat: on
+a shared machine, other processes on the proxy's core), and "per core" captured tokens per
+proxy CPU-second: what one fully loaded proxy core would capture.
 
 The load generator is plain asyncio + httptools: N keep-alive connections, each sending the
 next request as soon as its answer has been read in full.
@@ -43,6 +45,14 @@ def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _waited_s(pid: int) -> float:
+    """Seconds the process's threads have waited, ready to run, for a CPU so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        total += int((task / "schedstat").read_text().split()[1])
+    return total / 1e9
 
 
 def _start(stack: ExitStack, core: int, args: list[str], ready: str) -> int:
@@ -208,7 +218,7 @@ def main() -> None:
         )
         print(
             f"{'answer':<40}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
-            f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'per core':>9}"
+            f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'waited':>7}{'per core':>9}"
         )
         per_core: dict[tuple[str, int, int], float] = {}
         for mode, tokens, conc in scenarios:
@@ -223,12 +233,13 @@ def main() -> None:
             # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
             seconds = args.seconds * {"cumulative": 6, "incremental": 2}.get(mode, 1)
             d_rps, d_p50 = _load(engine, body, conc, seconds)
-            before, cpu0 = _captured(proxy), _cpu_s(pid)
+            before, cpu0, wait0 = _captured(proxy), _cpu_s(pid), _waited_s(pid)
             t0 = time.perf_counter()
             p_rps, p_p50 = _load(proxy, body, conc, seconds)
             took = time.perf_counter() - t0
             captured = (_captured(proxy) - before) * tokens
             tok_s, busy = captured / took, (_cpu_s(pid) - cpu0) / took
+            waited = (_waited_s(pid) - wait0) / took
             label = f"{tokens} tokens, " + {
                 "plain": "not streamed",
                 "paced": f"not streamed, engine {args.decode_ms:.0f} ms",
@@ -237,7 +248,7 @@ def main() -> None:
             per_core[(mode, tokens, conc)] = tok_s / max(busy, 1e-9)
             print(
                 f"{label:<40}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
-                f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}"
+                f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}{waited:>7.0%}"
                 f"{per_core[(mode, tokens, conc)] / 1e6:>8.2f}M",
                 flush=True,
             )

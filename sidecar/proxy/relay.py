@@ -323,8 +323,24 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
                 stream.frame(frame)
             buf, pos, search = chunk, end, end
         else:
-            buf = tail + chunk if tail else chunk
-            search = max(len(tail) - 1, 0)
+            buf = chunk
+            if tail:
+                # the frame begun in the last read is joined alone: the read is not copied
+                if tail[-1:] == b"\n" and chunk[:1] == b"\n":
+                    end = 1
+                else:
+                    end = chunk.find(b"\n\n")
+                    end = end + 2 if end >= 0 else -1
+                if end < 0:
+                    buf, search = tail + chunk, len(tail) - 1  # no frame ends in this read
+                else:
+                    head = tail + chunk[:end]
+                    if len(head) > _SMALL_FRAME:
+                        if not stream.whole(head, 0, len(head)):
+                            stream.frame(head)
+                    else:
+                        _read_small(stream, head, 0)
+                    pos = search = end
         tail = b""
         cut = buf.find(b"\n\n", search)
         if cut >= 0 and cut + 2 - pos > _SMALL_FRAME:
@@ -340,13 +356,18 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
             elif pos < len(buf):
                 tail = buf[pos:]
             continue
-        if pos:
-            buf = buf[pos:]
-        rows, used, ids, tokens = scan_frames(np.frombuffer(buf, dtype=np.uint8), _SMALL_FRAME)
-        tail = buf[used:]
-        logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids
-        for start, end, kind, idx, total, count, at in rows.tolist():
-            if kind == KIND_DELTA:
-                stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
-            elif kind == KIND_OTHER:
-                stream.frame(buf[start:end])
+        tail = buf[_read_small(stream, buf, pos) :]
+
+
+def _read_small(stream: _Stream, buf: bytes, pos: int) -> int:
+    """Read the frames from ``buf[pos]`` in one compiled pass (`scan.scan_frames`, the bytes
+    not copied); returns where the first frame not complete in ``buf`` starts."""
+    view = np.frombuffer(buf, dtype=np.uint8)[pos:]
+    rows, used, ids, tokens = scan_frames(view, _SMALL_FRAME)
+    logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids
+    for start, end, kind, idx, total, count, at in rows.tolist():
+        if kind == KIND_DELTA:
+            stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
+        elif kind == KIND_OTHER:
+            stream.frame(buf[pos + start : pos + end])
+    return pos + int(used)

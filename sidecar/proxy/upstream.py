@@ -4,10 +4,12 @@ httpx costs more per request than the proxy's whole capture at engine speed (its
 pool is scanned per request, so its cost grows with the number of connections, and without
 ``sniffio`` installed httpcore retries an import on every lock). This client keeps idle
 keep-alive connections on a stack (O(1) to take and return; the most recent, likeliest alive,
-first), writes each request in one send, and parses answers with httptools in
-``data_received``. A streamed body is handed over as what arrived since the last turn, one
-piece, with backpressure (reading pauses while more than `_HIGH_WATER` bytes wait for the
-client); per HTTP chunk (one per stream frame) the client only appends it.
+first), writes each request in one send, and parses the status line and headers with
+httptools. A chunked body (every stream) is not given to httptools, which calls back once per
+HTTP chunk (once per token in an incremental stream): its raw reads are kept as they arrive and
+de-chunked in one compiled pass per turn (`proxy.dechunk`); other bodies go through httptools.
+A body is handed over as what arrived since the last turn, one piece, with backpressure
+(reading pauses while more than `_HIGH_WATER` bytes wait for the client).
 
 A connection goes back to the stack only after its answer was read to the end and the
 upstream allows keep-alive; one that dies while idle is noticed on the next request, which is
@@ -24,10 +26,12 @@ from urllib.parse import urlsplit
 import httptools
 
 from timwatch.monitor.core.errors import UpstreamError
+from timwatch.sidecar.proxy.dechunk import Dechunker, DechunkError
 
 __all__ = ["Upstream", "UpstreamResponse", "UpstreamError"]
 
 _HIGH_WATER = 1 << 20
+_MAX_HEAD = 1 << 16
 
 
 class _Conn(asyncio.Protocol):
@@ -36,6 +40,14 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.resp: UpstreamResponse | None = None
         self.lost = False
+        self._head = b""  # the status line and headers so far, until they are complete
+        self._in_body = False
+
+    def start(self, resp: UpstreamResponse) -> None:
+        """Expect the answer to a request just sent (a fresh parser per answer)."""
+        self.resp = resp
+        self.parser = httptools.HttpResponseParser(self)
+        self._head, self._in_body = b"", False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -47,16 +59,44 @@ class _Conn(asyncio.Protocol):
             self.resp._fail(UpstreamError(f"upstream closed the connection: {exc or 'EOF'}"))
 
     def data_received(self, data: bytes) -> None:
+        resp = self.resp
+        if resp is not None and resp._dechunker is not None:
+            resp._raw.append(data)  # a chunked body: de-chunked by the reader, per turn
+            resp._received(len(data))
+            return
+        if not self._in_body:
+            # the head goes to httptools alone, so a chunked body can be taken raw after it
+            head = self._head + data if self._head else data
+            end = head.find(b"\r\n\r\n")
+            if end < 0:
+                self._head = head
+                if len(head) > _MAX_HEAD:
+                    self._bad("response head too long")
+                return
+            self._head, self._in_body = b"", True
+            if not self._feed(head[: end + 4]):
+                return
+            data = head[end + 4 :]
+            if not data:
+                return
+            if resp is not None and resp._dechunker is not None:
+                self.data_received(data)
+                return
+        if self._feed(data) and resp is not None and resp._chunks:
+            resp._received(len(data))  # once per read, however many body chunks it held
+
+    def _feed(self, data: bytes) -> bool:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if self.resp is not None:
-                self.resp._fail(UpstreamError(f"bad HTTP from upstream: {exc}"))
-            self.close()
-            return
-        resp = self.resp
-        if resp is not None and resp._chunks:
-            resp._received(len(data))  # once per read, however many body chunks it held
+            self._bad(f"bad HTTP from upstream: {exc}")
+            return False
+        return True
+
+    def _bad(self, why: str) -> None:
+        if self.resp is not None:
+            self.resp._fail(UpstreamError(why))
+        self.close()
 
     def close(self) -> None:
         self.lost = True
@@ -69,9 +109,13 @@ class _Conn(asyncio.Protocol):
             self.resp._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.resp is not None:
-            self.resp.status = self.parser.get_status_code()
-            self.resp._wake()
+        resp = self.resp
+        if resp is not None:
+            resp.status = self.parser.get_status_code()
+            if resp.status >= 200 and resp.status not in (204, 304) and resp._chunked():
+                resp._dechunker = Dechunker()
+                resp._keep_alive = self.parser.should_keep_alive()
+            resp._wake()
 
     def on_body(self, body: bytes) -> None:
         # called once per HTTP chunk (one per stream frame): kept to the append
@@ -92,6 +136,8 @@ class UpstreamResponse:
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._owner, self._conn, self._timeout = owner, conn, timeout_s
         self._chunks: collections.deque[bytes] = collections.deque()
+        self._raw: list[bytes] = []  # reads of a chunked body, not yet de-chunked
+        self._dechunker: Dechunker | None = None
         self._buffered = 0
         self._paused = False
         self._done = False
@@ -110,6 +156,12 @@ class UpstreamResponse:
             if k.lower() == want:
                 return v.decode("latin-1")
         return ""
+
+    def _chunked(self) -> bool:
+        return any(
+            k.lower() == b"transfer-encoding" and v.strip().lower().endswith(b"chunked")
+            for k, v in self._raw_headers
+        )
 
     def _wake(self) -> None:
         self.got_bytes = True
@@ -150,6 +202,11 @@ class UpstreamResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (de-chunked); raises `UpstreamError` if it breaks off."""
         while True:
+            if self._raw:
+                body = self._dechunked()
+                if body:
+                    yield body
+                continue
             if self._chunks:
                 # all that arrived since the last turn, as one piece: under load the relay's
                 # per-piece work is paid once per many stream chunks
@@ -158,11 +215,7 @@ class UpstreamResponse:
                 else:
                     chunk = b"".join(self._chunks)
                     self._chunks.clear()
-                self._buffered = 0
-                if self._paused:
-                    self._paused = False
-                    if self._conn.transport is not None:
-                        self._conn.transport.resume_reading()
+                self._resume()
                 yield chunk
                 continue
             if self._done:
@@ -170,6 +223,29 @@ class UpstreamResponse:
             if self._error is not None:
                 raise self._error
             await self._wait()
+
+    def _dechunked(self) -> bytes:
+        dechunker = self._dechunker
+        assert dechunker is not None
+        raw = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
+        self._raw.clear()
+        self._resume()
+        try:
+            body = dechunker.feed(raw)
+        except DechunkError as exc:
+            self._conn.close()
+            self._error = UpstreamError(str(exc))
+            raise self._error from None
+        if dechunker.done and not self._done:
+            self._done = True  # ``_keep_alive`` was set from the head
+        return body
+
+    def _resume(self) -> None:
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            if self._conn.transport is not None:
+                self._conn.transport.resume_reading()
 
     async def read(self) -> bytes:
         parts = [chunk async for chunk in self.chunks()]
@@ -234,7 +310,7 @@ class Upstream:
                 conn = await self._connect()
             assert conn.transport is not None
             resp = UpstreamResponse(self, conn, self.timeout_s)
-            conn.resp = resp
+            conn.start(resp)
             conn.transport.write(data)
             if sent is not None:
                 sent()

@@ -114,3 +114,134 @@ def test_relayed_stream_keeps_bytes_and_records(
             w.finish_reason,
             w.versions,
         )
+
+
+def _chunked(raw: bytes) -> tuple[bytes, list[int]]:
+    """``raw`` as SGLang sends it: one HTTP chunk per frame; and where each chunk starts."""
+    out, starts, at = [], [], 0
+    for frame in (f + b"\n\n" for f in raw.split(b"\n\n")[:-1]):
+        starts.append(at)
+        piece = b"%x\r\n" % len(frame) + frame + b"\r\n"
+        out.append(piece)
+        at += len(piece)
+    return b"".join(out) + b"0\r\n\r\n", starts
+
+
+async def _through_upstream(wire: bytes, cuts: list[int], plan: Any, cap: Capturer) -> list[bytes]:
+    """Relay ``wire`` (a chunked body) through `Upstream` and `relay_stream` once per cut: a
+    loopback server writes it in two writes split there, a pause between. Returns the relayed
+    bodies; all requests must share one keep-alive connection."""
+    from timwatch.sidecar.proxy.upstream import Upstream
+
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        for cut in cuts:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n" + wire[:cut]
+            )
+            await writer.drain()
+            await asyncio.sleep(0.002)
+            writer.write(wire[cut:])
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    up = Upstream(f"http://127.0.0.1:{port}", timeout_s=10)
+    relayed = []
+    try:
+        for _ in cuts:
+            resp = await up.request("POST", "/generate", [], b"{}")
+            try:
+                relayed.append(b"".join([c async for c in relay_stream(cap, plan, resp.chunks())]))
+            finally:
+                resp.release()
+        assert connections == 1  # every answer ended cleanly: the connection was kept
+    finally:
+        await up.aclose()
+        server.close()
+        await server.wait_closed()
+    return relayed
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_chunked_upstream_relays_bytes_and_records_at_every_cut(incremental: bool) -> None:
+    """The upstream client's own de-chunking (`proxy.dechunk`) under the relay: reads split at
+    every byte position of a chunk-size line, of its CRLF and of the data's CRLF."""
+    body = {
+        "input_ids": [1, 2, 3],
+        "return_logprob": True,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 12},
+    }
+    plan = plan_request(body, None)
+    assert plan is not None and not plan.changed
+    raw = _stream(plan.body, incremental)
+    wire, starts = _chunked(raw)
+    chunk = starts[3]  # a chunk mid-stream
+    size_line = wire.index(b"\r\n", chunk) + 2
+    data_end = starts[4] - 2
+    cuts = sorted(
+        {*range(chunk, size_line + 2), *range(data_end - 1, data_end + 4), 0, len(wire) - 3}
+    )
+    got: list[HeldRecord] = []
+    counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+    cap = Capturer(got.append, counters, None)
+    relayed = asyncio.run(_through_upstream(wire, cuts, plan, cap))
+    assert relayed == [raw] * len(cuts)
+    assert counters["wire_errors"] == 0
+    (want,) = _object_records(raw)
+    assert len(got) == len(cuts)
+    for held in got:
+        h = held.unpack()
+        assert (h.output_ids, h.logp, h.finish_reason) == (
+            want.output_ids,
+            want.logp,
+            want.finish_reason,
+        )
+
+
+def test_broken_chunked_framing_is_an_upstream_error_and_drops_the_connection() -> None:
+    from timwatch.monitor.core.errors import UpstreamError
+    from timwatch.sidecar.proxy.upstream import Upstream
+
+    async def run() -> int:
+        connections = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                b"5\r\nhello\r\nzz\r\n"  # a chunk size that is not hex
+            )
+            await writer.drain()
+            await reader.read()  # until the proxy's client closes
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        up = Upstream(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", timeout_s=10)
+        try:
+            for _ in range(2):
+                resp = await up.request("POST", "/generate", [], b"{}")
+                got = []
+                with pytest.raises(UpstreamError, match="chunked"):
+                    async for c in resp.chunks():
+                        got.append(c)
+                resp.release()
+                assert b"".join(got) in (b"", b"hello")
+        finally:
+            await up.aclose()
+            server.close()
+            await server.wait_closed()
+        return connections
+
+    assert asyncio.run(run()) == 2  # the broken connection was not reused
