@@ -281,12 +281,18 @@ class EngineClient:
     def version(self) -> str:
         return str(self._ok(self.http.get("/weight_info"))["weight_version"])
 
-    def reload(self, weights_dir: Path | str, version: str) -> None:
+    def pause(self) -> None:
+        """Pause the scheduler, keeping the requests in flight (vLLM's ``/pause?mode=keep``)."""
+        self._ok(self.http.post("/pause", params={"mode": "keep"}))
+
+    def reload(self, weights_dir: Path | str, version: str, *, paused: bool = False) -> None:
         """New weights from ``weights_dir`` and their version label, atomically for the
         requests in flight: the scheduler pauses (requests kept, not aborted), the weights are
         reloaded in place, the version set, the scheduler resumed. Tokens sampled before carry
-        the old version, tokens after the new one."""
-        self._ok(self.http.post("/pause", params={"mode": "keep"}))
+        the old version, tokens after the new one. ``paused``: the caller already called
+        `pause` (to stop the scheduler at a moment of its choosing)."""
+        if not paused:
+            self.pause()
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
             self._ok(self.http.post("/collective_rpc", json=rpc))

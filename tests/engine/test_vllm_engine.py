@@ -109,8 +109,9 @@ def _weights(base: Path, dest: Path, head_scale: float) -> Path:
 def _generate_streamed_with_reload(
     engine: EngineClient, url: str, prompt: list[int], reload: Callable[[], None]
 ) -> Generation:
-    """A 400-token generation streamed from /inference/v1/generate; once 8 tokens have arrived,
-    ``reload`` runs (in this thread) while the request is still in flight."""
+    """A 400-token generation streamed from /inference/v1/generate; once 8 tokens have arrived
+    the reading thread pauses the engine at once (in CI a loaded box let the main thread wake
+    only after all 400 tokens were out), then ``reload`` runs here while the request waits."""
     body = {
         "model": engine.model, "token_ids": prompt, "stream": True,
         "sampling_params": {
@@ -132,7 +133,8 @@ def _generate_streamed_with_reload(
                         content = (c.get("logprobs") or {}).get("content") or []
                         got["logps"] += [float(x["logprob"]) for x in content]
                         got["spans"] = c.get("weight_versions") or got["spans"]
-                    if len(got["ids"]) >= 8:
+                    if len(got["ids"]) >= 8 and not started.is_set():
+                        engine.pause()
                         started.set()
         except Exception as e:  # reported by the caller's assertion
             got["error"] = repr(e)
@@ -178,7 +180,7 @@ def bf16(vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFa
             cap.gens["2"] = engine.generate(prompt, NEW, seed=1)
             cap.weights["3"] = _weights(tiny_model, tmp / "v3", 0.7)
             cap.gens["inflight"] = _generate_streamed_with_reload(
-                engine, s.url, prompt, lambda: engine.reload(cap.weights["3"], "3")
+                engine, s.url, prompt, lambda: engine.reload(cap.weights["3"], "3", paused=True)
             )
             cap.versions_seen.append(engine.version())
         finally:
