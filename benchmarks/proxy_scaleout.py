@@ -21,11 +21,9 @@ than processes the figures say how the processes share them, so the load average
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,20 +31,15 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
-import httptools
 import httpx
-import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from proxy_throughput import _load, _port  # noqa: E402  (the same keep-alive load generator)
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ROOT / "deploy" / "sglang-proxies" / "haproxy.cfg"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(stack: ExitStack, args: list[str], ready: str | None) -> subprocess.Popen[bytes]:
@@ -101,49 +94,6 @@ def _proxies(stack: ExitStack, n: int, engine: str, monitor: str) -> list[int]:
     return ports
 
 
-class _Resp:
-    def __init__(self) -> None:
-        self.done = False
-
-    def on_message_complete(self) -> None:
-        self.done = True
-
-
-async def _conn(port: int, request: bytes, until: float) -> int:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    done = 0
-    try:
-        while time.perf_counter() < until:
-            writer.write(request)
-            resp = _Resp()
-            parser = httptools.HttpResponseParser(resp)
-            while not resp.done:
-                data = await reader.read(1 << 20)
-                if not data:
-                    raise ConnectionError("closed")
-                parser.feed_data(data)
-            if parser.get_status_code() != 200:
-                raise RuntimeError(f"status {parser.get_status_code()}")
-            done += 1
-    finally:
-        writer.close()
-    return done
-
-
-def _load(port: int, body: dict[str, Any], conc: int, seconds: float) -> None:
-    payload = orjson.dumps(body)
-    request = (
-        b"POST /generate HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n" % len(payload) + payload
-    )
-
-    async def run() -> None:
-        until = time.perf_counter() + seconds
-        await asyncio.gather(*(_conn(port, request, until) for _ in range(conc)))
-
-    asyncio.run(run())
-
-
 def _captured(ports: list[int]) -> int:
     return sum(
         int(httpx.get(f"http://127.0.0.1:{p}/timwatch/counters").json()["capture"]["captured"])
@@ -154,7 +104,7 @@ def _captured(ports: list[int]) -> int:
 def _capture_rate(front: int, ports: list[int], tokens: int, conc: int, seconds: float) -> float:
     body = {"input_ids": list(range(16)), "return_logprob": True,
             "sampling_params": {"max_new_tokens": tokens}}  # fmt: skip
-    _load(front, body, conc, 1.0)  # warm-up
+    _load(front, body, conc, 0.5)  # warm-up (1.5 s: _load warms up for 1 s itself)
     before, t0 = _captured(ports), time.perf_counter()
     _load(front, body, conc, seconds)
     took = time.perf_counter() - t0
