@@ -17,7 +17,6 @@ the fewest false pages. The held-out seeds are read once, with the chosen (W, H,
 from __future__ import annotations
 
 import json
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,7 +24,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from benchmarks.collapse_lab.replay import RULES, first_firings
+from benchmarks.collapse_lab.replay import RULES, firings_under
 from benchmarks.collapse_lab.report import load
 
 __all__ = ["GRID", "candidate_rules", "grid_firings"]
@@ -75,10 +74,7 @@ def grid_firings(run_dir: Path, series: list[dict[str, float]]) -> dict[str, int
     cache = run_dir / "forecast.json"
     if cache.exists():
         return dict(json.loads(cache.read_text()))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "rules.yml"
-        path.write_text(yaml.safe_dump(candidate_rules(), sort_keys=False))
-        firings = first_firings(series, rules=path)
+    firings = firings_under(series, candidate_rules())
     out: dict[str, int | None] = {name(*c): None for c in GRID}
     pages = [f["step"] for f in firings if f["severity"] == "page"]
     out["shipped_page"] = min(pages) if pages else None

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 import yaml
 
-from benchmarks.collapse_lab.replay import RULES, first_firings
+from benchmarks.collapse_lab.replay import RULES, firings_under
 from benchmarks.collapse_lab.report import load
 
 __all__ = ["GRID", "BEFORE", "candidate_rules", "first_warning", "level_firings"]
@@ -69,10 +68,7 @@ def level_firings(run_dir: Path, series: list[dict[str, float]]) -> dict[str, in
     cache = run_dir / "levels.json"
     if cache.exists():
         return dict(json.loads(cache.read_text()))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "rules.yml"
-        path.write_text(yaml.safe_dump(candidate_rules(), sort_keys=False))
-        firings = first_firings(series, rules=path)
+    firings = firings_under(series, candidate_rules())
     out: dict[str, int | None] = {
         alert_name(c, t): None for c, (_, ts) in GRID.items() for t in ts if t is not None
     }

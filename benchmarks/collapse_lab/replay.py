@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["MINUTES_PER_STEP", "RULES", "first_firings"]
+__all__ = ["MINUTES_PER_STEP", "RULES", "first_firings", "firings_under"]
 
 MINUTES_PER_STEP = 1
 RULES = Path(__file__).resolve().parents[2] / "alerts" / "timwatch.rules.yml"
@@ -84,6 +84,14 @@ def first_firings(
             }
         )
     return sorted(firings, key=lambda f: (f["step"], f["alert"]))
+
+
+def firings_under(series: list[dict[str, float]], rules: dict[str, Any]) -> list[dict[str, Any]]:
+    """`first_firings` of ``series`` under a rules document given as data (a candidate grid)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "rules.yml"
+        path.write_text(yaml.safe_dump(rules, sort_keys=False))
+        return first_firings(series, rules=path)
 
 
 def rereplay(dirs: list[Path], rules: Path = RULES) -> int:
