@@ -16,6 +16,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from timwatch.monitor.core.errors import WireError
+
 __all__ = ["Dechunker", "DechunkError"]
 
 # phases
@@ -103,8 +105,8 @@ def _dechunk(buf: np.ndarray, out: np.ndarray, state: np.ndarray) -> int:
     return o
 
 
-class DechunkError(ValueError):
-    """The upstream's chunked framing is broken."""
+class DechunkError(WireError):
+    """The upstream's chunked framing is broken (a `WireError`, so a `TimwatchError`)."""
 
 
 class Dechunker:
