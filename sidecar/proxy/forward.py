@@ -29,6 +29,7 @@ __all__ = [
     "ALL_METHODS",
     "DeferredCaptures",
     "counters",
+    "settle_captures",
     "forward_planned",
     "healthz",
     "passthrough",
@@ -93,6 +94,12 @@ class DeferredCaptures:
                     log.exception("deferred capture failed")
 
 
+def settle_captures(state: ProxyState) -> None:
+    """Run the captures still deferred: every reader of the capture store calls this first."""
+    if state.deferred is not None:
+        state.deferred.flush()
+
+
 class ProxyState(Protocol):
     """What this module reads of a proxy's state (`proxy.sglang.ProxyState` has it all)."""
 
@@ -119,8 +126,7 @@ async def upstream_clients(state: ProxyState) -> AsyncIterator[httpx.AsyncClient
         state.client = client
         state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
         yield client
-        if state.deferred is not None:
-            state.deferred.flush()
+        settle_captures(state)
         await state.generate_upstream.aclose()
         state.client = state.generate_upstream = None
 
@@ -267,8 +273,7 @@ async def forward_planned(
 
 async def counters(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
-    if state.deferred is not None:
-        state.deferred.flush()
+    settle_captures(state)
     capture = state.capture
     body = {
         "capture": capture.counters.to_dict(),

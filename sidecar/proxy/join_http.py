@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from timwatch.sidecar.proxy.forward import settle_captures
 from timwatch.sidecar.proxy.join import Joiner, JoinError
 from timwatch.sidecar.proxy.peers import (
     TAKE_PATH,
@@ -130,8 +131,7 @@ def install_join(
             body = json.loads(raw)
         except ValueError as exc:
             return JSONResponse({"detail": f"body is not JSON: {exc}", "field": "body"}, 422)
-        if state.deferred is not None:
-            state.deferred.flush()  # answers already sent are in the store before the join
+        settle_captures(state)  # answers already sent are in the store before the join
         try:
             answer = await run_in_threadpool(joiner.submit, body)
         except JoinError as exc:
@@ -143,6 +143,7 @@ def install_join(
             keys = parse_keys(json.loads(await request.body()))
         except ValueError as exc:
             return JSONResponse({"detail": str(exc), "field": "keys"}, 422)
+        settle_captures(state)  # a peer asks for records this proxy may have answered just now
         taken = await run_in_threadpool(take_records, state.capture, keys)
         given["requests"] += 1
         given["records"] += len(taken)

@@ -38,6 +38,7 @@ from timwatch.sidecar.proxy.forward import (
     healthz,
     passthrough,
     relay,
+    settle_captures,
     upstream_clients,
 )
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
@@ -123,8 +124,7 @@ async def _generate(request: Request) -> Response:
 
 async def _records(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
-    if state.deferred is not None:
-        state.deferred.flush()
+    settle_captures(state)
     records = [r.to_dict() for r in state.capture.snapshot()]
     return JSONResponse(
         {
