@@ -331,11 +331,11 @@ class Joiner:
             found, surplus = self.peers([_key(s) for _, _, s in wanted])
         except Exception:  # noqa: BLE001 - a failing peer must not fail the report
             return log.exception("taking records from the peers failed")
-        for i, record in found.items():
-            pend, pos, sample = wanted[i]
-            with self._lock:
+        with self._lock:
+            for i, record in found.items():
+                pend, pos, sample = wanted[i]
                 self._attach(pend, pos, sample, record)
-                self.counters["peer_joined_samples"] += 1
+            self.counters["peer_joined_samples"] += len(found)
         for pend in pends:
             pend.waiting = [(pos, s) for pos, s in pend.waiting if pos not in pend.joined]
         for record in surplus:
