@@ -62,8 +62,9 @@ def _u8(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-# The span of a log-prob list a compiled scanner read whole (numbers, brackets, commas and
-# null only): no key is inside it, so key searches skip it.
+# The span of a value already read whole (by a compiled scanner, or by `value_span` with its
+# check): no quote, so no key is inside it and key searches skip it; a value starting there
+# is that value, not checked again.
 Hole = tuple[int, int] | None
 
 
@@ -377,12 +378,12 @@ def _without(buf: bytes, k: int, e: int) -> tuple[int, int]:
 def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
     """One sample's answer or chunk as the client's own request would have had it."""
     cuts: list[tuple[int, int, bytes]] = []
-    if plan.added_prompt_ids:
-        span = value_span(buf, b"prompt_token_ids")
-        if span is not None:
-            cuts.append((*_without(buf, span[0], span[2]), b""))
+    hole: Hole = None
     if not plan.want_logprob[item]:
-        cuts += _drops(buf, _LOGPROB_KEYS)
+        # the log-prob list, checked once, is skipped by every other key's search
+        span = value_span(buf, b"output_token_logprobs")
+        hole = None if span is None else (span[1], span[2])
+        cuts += _drops(buf, _LOGPROB_KEYS, hole)
     elif plan.raised_topk:
         k0 = plan.want_topk[item]
         if k0 <= 0:
@@ -396,6 +397,10 @@ def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
                 if isinstance(rows, list):
                     rows = [r[:k0] if isinstance(r, list) else r for r in rows]
                 cuts.append((span[1], span[2], orjson.dumps(rows)))
+    if plan.added_prompt_ids:
+        span = value_span(buf, b"prompt_token_ids", hole=hole)
+        if span is not None:
+            cuts.append((*_without(buf, span[0], span[2]), b""))
     if not cuts:
         return buf
     cuts.sort()
@@ -409,10 +414,10 @@ def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
     return b"".join(parts)
 
 
-def _drops(buf: bytes, keys: tuple[bytes, ...]) -> list[tuple[int, int, bytes]]:
+def _drops(buf: bytes, keys: tuple[bytes, ...], hole: Hole = None) -> list[tuple[int, int, bytes]]:
     out = []
     for key in keys:
-        span = value_span(buf, key)
+        span = value_span(buf, key, hole=hole)
         if span is not None:
             out.append((*_without(buf, span[0], span[2]), b""))
     return out
