@@ -17,7 +17,9 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-__all__ = ["triples_f64", "POW5", "Q_MIN", "Q_MAX"]
+from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
+
+__all__ = ["triples_f64", "POW5", "Q_MIN", "Q_MAX", "warm_up"]
 
 Q_MIN, Q_MAX = -342, 308
 # a double's IEEE-754 bits as a signed 64-bit int (what numba returns: an int64)
@@ -278,3 +280,13 @@ def triples_f64(
             return count, i + 1, ids[:count], bits.view(np.float64)[:count]
         else:
             return -1, i, ids[:0], bits.view(np.float64)[:0]
+
+
+def warm_up() -> None:
+    """Run every scanner the SGLang proxy's answer path uses once: numba compiles them (or
+    loads its cache) now, not on the first client's request (~10 s on a cold cache)."""
+    triple = np.frombuffer(b"[[-1.5,2,null]]", np.uint8)
+    triples_f64(triple, 0, POW5)
+    scan_triples(triple, 0)
+    scan_rows(np.frombuffer(b"[[[-1.5,2,null]]]", np.uint8), 0)
+    scan_ints(np.frombuffer(b"[1,2]", np.uint8), 0)

@@ -8,6 +8,9 @@ refuse every token that is not strict JSON.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import orjson
 import pytest
@@ -131,3 +134,16 @@ def test_answer_read_with_the_hole_equals_the_full_search(logps: list[float], pr
     assert record.input_ids.tolist() == ([1, 2, 3] if prompt else [9])
     assert (record.rid, record.finish_reason, record.runs) == ("r1", "length", (("default", 3),))
     assert sample._hole_in(bytes(bytearray(buf))) is None  # another buffer: searched whole
+
+
+def test_warm_up_compiles_every_scanner_of_the_answer_path() -> None:
+    """In a fresh interpreter, so nothing else compiled them first."""
+    code = (
+        "from timwatch.sidecar.proxy import scan, numparse\n"
+        "fns = (numparse.triples_f64, scan.scan_triples, scan.scan_rows, scan.scan_ints)\n"
+        "assert not any(f.signatures for f in fns)\n"
+        "numparse.warm_up()\n"
+        "print([len(f.signatures) for f in fns])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[1, 1, 1, 1]"
