@@ -7,7 +7,14 @@ ratio is printed; captured tokens/s is the proxy's ``captured`` counter over the
 the share of its core the proxy used (from /proc), "waited" the share of the window it was
 ready to run but waited for its core (the kernel's run-queue delay, /proc/<pid>/schedstat: on
 a shared machine, other processes on the proxy's core), and "per core" captured tokens per
-proxy CPU-second: what one fully loaded proxy core would capture.
+proxy CPU-second: what one fully loaded proxy core would capture; "cpu/req" the proxy's CPU
+time per request answered (user + system, deferred captures included).
+
+At concurrency 1 with the instant stand-in, a deferred capture runs while the next request is
+at the engine, which answers in ~0.2 ms: the capture's CPU is then in the next request's
+latency, so that row's "+p50" is close to "cpu/req". The ``paced`` rows (the engine takes
+``--decode-ms``, as decoding does) show the latency the proxy adds when the capture runs while
+the engine works.
 
 The load generator is plain asyncio + httptools: N keep-alive connections, each sending the
 next request as soon as its answer has been read in full.
@@ -219,6 +226,7 @@ def main() -> None:
         print(
             f"{'answer':<40}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
             f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'waited':>7}{'per core':>9}"
+            f"{'cpu/req':>9}"
         )
         per_core: dict[tuple[str, int, int], float] = {}
         for mode, tokens, conc in scenarios:
@@ -237,8 +245,9 @@ def main() -> None:
             t0 = time.perf_counter()
             p_rps, p_p50 = _load(proxy, body, conc, seconds)
             took = time.perf_counter() - t0
-            captured = (_captured(proxy) - before) * tokens
-            tok_s, busy = captured / took, (_cpu_s(pid) - cpu0) / took
+            answered = _captured(proxy) - before
+            captured, cpu = answered * tokens, _cpu_s(pid) - cpu0
+            tok_s, busy = captured / took, cpu / took
             waited = (_waited_s(pid) - wait0) / took
             label = f"{tokens} tokens, " + {
                 "plain": "not streamed",
@@ -249,7 +258,8 @@ def main() -> None:
             print(
                 f"{label:<40}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
                 f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}{waited:>7.0%}"
-                f"{per_core[(mode, tokens, conc)] / 1e6:>8.2f}M",
+                f"{per_core[(mode, tokens, conc)] / 1e6:>8.2f}M"
+                f"{1e3 * cpu / max(answered, 1):>7.2f}ms",
                 flush=True,
             )
         plain = per_core.get(("plain", 4096, 64))

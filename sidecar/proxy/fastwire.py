@@ -28,6 +28,7 @@ import numpy as np
 import orjson
 
 from timwatch.monitor.core.errors import NotFast
+from timwatch.sidecar.proxy.numparse import POW5, triples_f64
 from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows, version_runs
 from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
 from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError, finish_type
@@ -61,17 +62,38 @@ def _u8(buf: bytes) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint8)
 
 
+# The span of a value already read whole (by a compiled scanner, or by `value_span` with its
+# check): no quote, so no key is inside it and key searches skip it; a value starting there
+# is that value, not checked again.
+Hole = tuple[int, int] | None
+
+
+def _find(buf: bytes, pat: bytes, hole: Hole, lo: int = 0) -> int:
+    if hole is None:
+        return buf.find(pat, lo)
+    if lo < hole[0]:
+        k = buf.find(pat, lo, hole[0])
+        if k >= 0:
+            return k
+    return buf.find(pat, max(lo, hole[1]))
+
+
 def value_span(
-    buf: bytes, key: bytes, lo: int = 0, *, check: bool = True
+    buf: bytes, key: bytes, lo: int = 0, *, check: bool = True, hole: Hole = None
 ) -> tuple[int, int, int] | None:
     """``(key_start, value_start, value_end)`` of a quote-free value, None if the key is absent.
 
-    With ``check``, raises `NotFast` if the value is not bracket-balanced (it held a string)."""
+    With ``check``, raises `NotFast` if the value is not bracket-balanced (it held a string).
+    ``hole``: a span known to hold no key (skipped by the search; the value if it starts there)."""
     pat = b'"' + key + b'":'
-    k = buf.find(pat, lo)
+    k = _find(buf, pat, hole, lo)
     if k < 0:
         return None
     v = k + len(pat)
+    if hole is not None and v == hole[0]:
+        after = buf[hole[1] : hole[1] + 2]
+        if after == b',"' or after[:1] == b"}":
+            return k, v, hole[1]
     quote, brace = buf.find(b'"', v), buf.find(b"}", v)
     if quote >= 0 and (brace < 0 or quote < brace):
         if buf[quote - 1] != _COMMA:
@@ -131,21 +153,27 @@ def _floats(tokens: np.ndarray, count: int) -> np.ndarray:
     return values
 
 
-def _triples(buf: bytes, key: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+def _triples(buf: bytes, key: bytes) -> tuple[np.ndarray, np.ndarray, tuple[int, int]] | None:
+    """Ids, log-probs and the list's span (a `Hole`); the log-probs parsed in compiled code
+    (`numparse`), or by orjson where that path refuses a token."""
     pat = b'"' + key + b'":'
     k = buf.find(pat)
     if k < 0:
         return None
-    count, _, ids, tokens = scan_triples(_u8(buf), k + len(pat))
+    v, u = k + len(pat), _u8(buf)
+    count, end, ids, logps = triples_f64(u, v, POW5)
+    if count >= 0:
+        return ids, logps, (v, end)
+    count, end, ids, tokens = scan_triples(u, v)
     if count < 0:
         raise NotFast(f"{key.decode()}: not [[logprob,id,null],...]")
-    return ids, _floats(tokens, count)
+    return ids, _floats(tokens, count), (v, end)
 
 
-def _top_logps(buf: bytes, n: int) -> np.ndarray | None:
+def _top_logps(buf: bytes, n: int, hole: Hole = None) -> np.ndarray | None:
     """``output_top_logprobs`` as an ``(n, k)`` array; refuses null or ragged rows."""
     pat = b'"output_top_logprobs":'
-    k = buf.find(pat)
+    k = _find(buf, pat, hole)
     if k < 0:
         return None
     rows, width, _, tokens = scan_rows(_u8(buf), k + len(pat))
@@ -176,6 +204,8 @@ class FastSample:
     pending: bytes | None = None
     # a cumulative chunk held as (read buffer, start, end), cut out only if it is ever read
     lazy: tuple[bytes, int, int] | None = None
+    # the answer `take_answer` read and its log-prob list's span, skipped by key searches
+    hole: tuple[bytes, int, int] | None = field(default=None, repr=False)
 
     def offer(self, frame: bytes, *, last: bool) -> None:
         total = _int_value(frame, b"output_token_logprobs_length")
@@ -219,8 +249,13 @@ class FastSample:
         self._keep(ids, logps, top, delta=delta)
 
     def take_answer(self, answer: bytes) -> None:
-        self._keep(*self._parse(answer), delta=False)
+        ids, logps, top, hole = _read(answer)
+        self._keep(ids, logps, top, delta=False)
+        self.hole = (answer, *hole)
         self._prompt(answer)
+
+    def _hole_in(self, buf: bytes) -> Hole:
+        return self.hole[1:] if self.hole is not None and self.hole[0] is buf else None
 
     @staticmethod
     def _cumulative(frame: bytes, total: int, delta: int) -> bool:
@@ -241,11 +276,7 @@ class FastSample:
 
     @staticmethod
     def _parse(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        got = _triples(buf, b"output_token_logprobs")
-        if got is None:
-            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
-        ids, logps = got
-        return ids, logps, _top_logps(buf, len(ids))
+        return _read(buf)[:3]
 
     def _keep(
         self, ids: np.ndarray, logps: np.ndarray, top: np.ndarray | None, *, delta: bool
@@ -262,7 +293,7 @@ class FastSample:
 
     def _prompt(self, buf: bytes) -> None:
         pat = b'"prompt_token_ids":'
-        k = buf.find(pat)
+        k = _find(buf, pat, self._hole_in(buf))
         if k < 0:
             return
         count, _, values = scan_ints(_u8(buf), k + len(pat))
@@ -277,7 +308,7 @@ class FastSample:
         fallback_prompt: list[int] | None,
         vocab_size: int | None,
     ) -> HeldRecord:
-        meta = _small_meta(last)
+        meta = _small_meta(last, self._hole_in(last))
         rid = meta.get("id")
         if not isinstance(rid, str):
             raise WireError(f"meta_info.id: expected a string, got {rid!r}")
@@ -310,9 +341,18 @@ class FastSample:
         )
 
 
-def _small_meta(buf: bytes) -> dict[str, Any]:
+def _read(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[int, int]]:
+    """Ids, log-probs, top-k rows and the `Hole` of ``output_token_logprobs``."""
+    got = _triples(buf, b"output_token_logprobs")
+    if got is None:
+        raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+    ids, logps, hole = got
+    return ids, logps, _top_logps(buf, len(ids), hole), hole
+
+
+def _small_meta(buf: bytes, hole: Hole = None) -> dict[str, Any]:
     """``meta_info`` of one sample with its bulk lists cut out, parsed."""
-    cuts = sorted(s for key in _BULK_KEYS if (s := value_span(buf, key)) is not None)
+    cuts = sorted(s for key in _BULK_KEYS if (s := value_span(buf, key, hole=hole)) is not None)
     parts, at = [], 0
     for _, v, e in cuts:
         parts += [buf[at:v], b"0"]
@@ -338,12 +378,12 @@ def _without(buf: bytes, k: int, e: int) -> tuple[int, int]:
 def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
     """One sample's answer or chunk as the client's own request would have had it."""
     cuts: list[tuple[int, int, bytes]] = []
-    if plan.added_prompt_ids:
-        span = value_span(buf, b"prompt_token_ids")
-        if span is not None:
-            cuts.append((*_without(buf, span[0], span[2]), b""))
+    hole: Hole = None
     if not plan.want_logprob[item]:
-        cuts += _drops(buf, _LOGPROB_KEYS)
+        # the log-prob list, checked once, is skipped by every other key's search
+        span = value_span(buf, b"output_token_logprobs")
+        hole = None if span is None else (span[1], span[2])
+        cuts += _drops(buf, _LOGPROB_KEYS, hole)
     elif plan.raised_topk:
         k0 = plan.want_topk[item]
         if k0 <= 0:
@@ -357,6 +397,10 @@ def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
                 if isinstance(rows, list):
                     rows = [r[:k0] if isinstance(r, list) else r for r in rows]
                 cuts.append((span[1], span[2], orjson.dumps(rows)))
+    if plan.added_prompt_ids:
+        span = value_span(buf, b"prompt_token_ids", hole=hole)
+        if span is not None:
+            cuts.append((*_without(buf, span[0], span[2]), b""))
     if not cuts:
         return buf
     cuts.sort()
@@ -370,10 +414,10 @@ def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
     return b"".join(parts)
 
 
-def _drops(buf: bytes, keys: tuple[bytes, ...]) -> list[tuple[int, int, bytes]]:
+def _drops(buf: bytes, keys: tuple[bytes, ...], hole: Hole = None) -> list[tuple[int, int, bytes]]:
     out = []
     for key in keys:
-        span = value_span(buf, key)
+        span = value_span(buf, key, hole=hole)
         if span is not None:
             out.append((*_without(buf, span[0], span[2]), b""))
     return out

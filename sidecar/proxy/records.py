@@ -145,9 +145,12 @@ def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | N
         return ()
     if spans is None:
         return ((default, n),)
+    valid = weight_spans(spans)
+    if len(valid) == 1 and valid[0][0] == 0 and valid[0][1] >= n:
+        return ((valid[0][2], n),)  # one version for the whole answer: the usual case
     labels: list[str | None] = [default]
     which = np.zeros(n, dtype=np.int64)
-    for start, end, label in weight_spans(spans):
+    for start, end, label in valid:
         labels.append(label)
         which[start:end] = len(labels) - 1
     cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), n]

@@ -41,6 +41,7 @@ from timwatch.sidecar.proxy.forward import (
     settle_captures,
     upstream_clients,
 )
+from timwatch.sidecar.proxy.numparse import warm_up
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from timwatch.sidecar.proxy.records import HeldRecord
 from timwatch.sidecar.proxy.relay import Capturer, answer_parts, relay_stream
@@ -181,6 +182,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with upstream_clients(state) as client:
+            warm_up()  # compile the byte path's scanners now, not on the first request
             # Everything allocated so far lives as long as the proxy: keep it out of the
             # collector's scans, which then only walk what requests allocate.
             gc.freeze()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator, Callable
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -50,8 +51,8 @@ class _Conn(asyncio.Protocol):
         self._head, self._in_body = b"", False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods
+        self.transport = cast(asyncio.Transport, transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
