@@ -39,7 +39,14 @@ from timwatch.sidecar.proxy.sglang_wire import (
     outputs_of,
 )
 
-__all__ = ["Capturer", "answer_parts", "capture_answer", "relay_stream"]
+__all__ = [
+    "Capturer",
+    "StreamReads",
+    "answer_parts",
+    "capture_answer",
+    "relay_stream",
+    "stream_capture",
+]
 
 log = logging.getLogger(__name__)
 
@@ -303,10 +310,30 @@ async def relay_stream(
 
 
 async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    tail = b""  # the start of a frame still arriving, when short
-    parts: list[memoryview] = []  # a long frame still arriving, its pieces not yet copied
+    reads = StreamReads(stream)
     async for chunk in chunks:
         yield chunk
+        reads(chunk)
+
+
+def stream_capture(cap: Capturer, plan: RequestPlan) -> Callable[[bytes], None]:
+    """What captures an unchanged request's stream from its body bytes, fed read by read,
+    when something else relays the bytes to the client (`proxy.rawrelay`)."""
+    return StreamReads(_Stream(cap, plan))
+
+
+class StreamReads:
+    """The frames of one stream cut out of its reads as they come and captured; a read is
+    never copied whole (a short frame begun in one read is joined alone, a long one from
+    views of its pieces)."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self.stream = stream
+        self.tail = b""  # the start of a frame still arriving, when short
+        self.parts: list[memoryview] = []  # a long frame still arriving, not yet copied
+
+    def __call__(self, chunk: bytes) -> None:
+        stream, tail, parts = self.stream, self.tail, self.parts
         pos, search = 0, 0
         if parts:
             # the terminator may straddle two reads (compact JSON holds no raw newline)
@@ -316,9 +343,9 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
                 end = cut + 2
             else:
                 parts.append(memoryview(chunk))
-                continue
+                return
             frame = b"".join([*parts, memoryview(chunk)[:end]])  # the one copy of a long frame
-            parts = []
+            self.parts = []
             if not stream.whole(frame, 0, len(frame)):
                 stream.frame(frame)
             buf, pos, search = chunk, end, end
@@ -341,7 +368,7 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
                     else:
                         _read_small(stream, head, 0)
                     pos = search = end
-        tail = b""
+        self.tail = b""
         cut = buf.find(b"\n\n", search)
         if cut >= 0 and cut + 2 - pos > _SMALL_FRAME:
             # long frames (a cumulative stream): cut at memchr speed, each on its bytes
@@ -352,11 +379,11 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
                 cut = buf.find(b"\n\n", pos)
         if cut < 0:
             if len(buf) - pos > _SMALL_FRAME:
-                parts = [memoryview(buf)[pos:]]
+                self.parts = [memoryview(buf)[pos:]]
             elif pos < len(buf):
-                tail = buf[pos:]
-            continue
-        tail = buf[_read_small(stream, buf, pos) :]
+                self.tail = buf[pos:]
+            return
+        self.tail = buf[_read_small(stream, buf, pos) :]
 
 
 def _read_small(stream: _Stream, buf: bytes, pos: int) -> int:
