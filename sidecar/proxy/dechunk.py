@@ -163,5 +163,7 @@ class Dechunker:
         to a client as they are, counted from the start of ``data``: everything but the last
         chunk (``0`` size line, trailer, empty line) and a size line that may still be it.
         Negative when such a line began in an earlier read (those bytes are still held)."""
-        body = self.feed(data) if data else b""
-        return body, int(self._state[4]) if data else 0
+        if data:
+            return self.feed(data), int(self._state[4])
+        _dechunk(np.frombuffer(b"\0", dtype=np.uint8)[:0], np.empty(0, np.uint8), self._state)
+        return b"", int(self._state[4])
