@@ -14,7 +14,8 @@ is the bound ``send`` of uvicorn's httptools request cycle and the response has 
 Anything else (another server, h11, a test client) takes the ordinary streaming path.
 Invariants: the client receives exactly the upstream's bytes before its last chunk, then
 ``0\\r\\n\\r\\n`` (upstream trailers are not relayed); a client that goes away stops the relay
-and closes the upstream connection; broken upstream framing raises `UpstreamError` after the
+and closes the upstream connection (noticed when the next upstream bytes arrive or a write
+waits on the client's full socket); broken upstream framing raises `UpstreamError` after the
 head went out, and uvicorn closes the client connection (never reused).
 """
 
