@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from timwatch.sidecar.proxy.capture import CaptureStore
+from timwatch.sidecar.proxy.rawrelay import RawStreamResponse
 from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamResponse
 
 __all__ = [
@@ -216,13 +217,16 @@ async def forward_planned(
     stream: bool,
     relay_chunks: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]],
     answer: Callable[[bytes], tuple[bytes, Callable[[], None] | None]],
+    raw_capture: Callable[[], Callable[[bytes], None]] | None = None,
 ) -> Response:
     """Send ``content`` (the planned body) upstream and answer the client.
 
     A 200 event stream is relayed through ``relay_chunks`` when ``stream`` is true; any other
     200 answer is read whole and ``answer`` gives the client's bytes and the capture to run
     after they are written (by ``state.deferred`` when it has one). Failures and non-200
-    answers count as ``upstream_errors``.
+    answers count as ``upstream_errors``. With ``raw_capture`` (the proxy changed nothing in
+    the request) a chunked stream may be relayed with the upstream's framing
+    (`proxy.rawrelay.RawStreamResponse`), its body fed to what ``raw_capture`` makes.
     """
     query = request.url.query
     deferred = state.deferred
@@ -247,11 +251,18 @@ async def forward_planned(
             resp.release()
         return Response(body, status_code=resp.status, headers=_answer_headers(resp, True))
     if stream and resp.header("content-type").startswith("text/event-stream"):
-        return StreamingResponse(
-            _closing(relay_chunks(resp.chunks()), resp),
-            status_code=resp.status,
-            headers=_answer_headers(resp, False),
-        )
+        relayed = _closing(relay_chunks(resp.chunks()), resp)
+        headers = _answer_headers(resp, False)
+        if raw_capture is not None and resp.chunked:
+            return RawStreamResponse(
+                resp,
+                relayed,
+                raw_capture,
+                status_code=resp.status,
+                headers=headers,
+                counters=state.counters,
+            )
+        return StreamingResponse(relayed, status_code=resp.status, headers=headers)
     try:
         body = await resp.read()
     except UpstreamError as exc:

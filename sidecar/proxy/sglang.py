@@ -43,8 +43,9 @@ from timwatch.sidecar.proxy.forward import (
 )
 from timwatch.sidecar.proxy.numparse import warm_up
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
+from timwatch.sidecar.proxy.rawrelay import ProxyApp
 from timwatch.sidecar.proxy.records import HeldRecord
-from timwatch.sidecar.proxy.relay import Capturer, answer_parts, relay_stream
+from timwatch.sidecar.proxy.relay import Capturer, answer_parts, relay_stream, stream_capture
 from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
 from timwatch.sidecar.proxy.upstream import Upstream
 
@@ -83,7 +84,7 @@ class ProxyState:
         self.deferred: DeferredCaptures | None = None
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
-        self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+        self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0, "raw_streams": 0}
         self.capturer = Capturer(self.commit, self.counters, vocab_size)
 
     def http(self) -> httpx.AsyncClient:
@@ -120,6 +121,7 @@ async def _generate(request: Request) -> Response:
         stream=plan.stream,
         relay_chunks=lambda chunks: relay_stream(state.capturer, plan, chunks),
         answer=lambda content: answer_parts(state.capturer, plan, content),
+        raw_capture=None if plan.changed else lambda: stream_capture(state.capturer, plan),
     )
 
 
@@ -207,6 +209,6 @@ def create_app(
         Route("/generate", _generate, methods=["POST", "PUT"]),
         Route("/{path:path}", passthrough, methods=ALL_METHODS),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = ProxyApp(routes=routes, lifespan=lifespan)
     app.state.proxy = state
     return app

@@ -204,7 +204,7 @@ class UpstreamResponse:
         """The body as it arrives (de-chunked); raises `UpstreamError` if it breaks off."""
         while True:
             if self._raw:
-                body = self._dechunked()
+                body = self._dechunked()[1]
                 if body:
                     yield body
                 continue
@@ -225,21 +225,50 @@ class UpstreamResponse:
                 raise self._error
             await self._wait()
 
-    def _dechunked(self) -> bytes:
+    @property
+    def chunked(self) -> bool:
+        """The body comes in chunked transfer coding (`relayed` can read it)."""
+        return self._dechunker is not None
+
+    async def relayed(self) -> AsyncIterator[tuple[list[bytes | memoryview], bytes]]:
+        """A chunked body as it arrives, per turn: the raw bytes (framing kept) a client can
+        be sent as they are, and the body bytes they carry. The last chunk (``0``, trailer,
+        empty line) is never among the raw bytes: whoever relays writes its own. Raises
+        `UpstreamError` if the body breaks off or its framing is broken."""
+        held: bytes = b""  # a size line that may be the last chunk's, until it is known
+        while True:
+            if self._raw:
+                raw, body, safe = self._dechunked(raw=True)
+                if safe < 0:
+                    held += raw
+                    pieces: list[bytes | memoryview] = []
+                else:
+                    pieces = [held] if held else []
+                    pieces.append(raw if safe == len(raw) else memoryview(raw)[:safe])
+                    held = raw[safe:] if safe < len(raw) else b""
+                yield pieces, body
+                continue
+            if self._done:
+                return
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    def _dechunked(self, raw: bool = False) -> tuple[bytes, bytes, int]:
         dechunker = self._dechunker
         assert dechunker is not None
-        raw = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
+        data = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
         self._raw.clear()
         self._resume()
         try:
-            body = dechunker.feed(raw)
+            body, safe = dechunker.feed_raw(data) if raw else (dechunker.feed(data), 0)
         except DechunkError as exc:
             self._conn.close()
             self._error = UpstreamError(str(exc))
             raise self._error from None
         if dechunker.done and not self._done:
             self._done = True  # ``_keep_alive`` was set from the head
-        return body
+        return data, body, safe
 
     def _resume(self) -> None:
         self._buffered = 0

@@ -134,3 +134,39 @@ def test_upstream_reads_a_chunked_answer_whole_and_keeps_the_connection() -> Non
     got, connections = asyncio.run(run())
     assert got == [(500, b"".join(PARTS)), (200, b"".join(PARTS))]
     assert connections == 1
+
+
+def _released(reads: list[bytes]) -> list[int]:
+    """After each read, how far `Dechunker.feed_raw` lets the bytes fed so far be relayed."""
+    d, fed, out = Dechunker(), 0, []
+    for r in reads:
+        _, safe = d.feed_raw(r)
+        out.append(fed + safe)
+        fed += len(r)
+    return out
+
+
+@pytest.mark.parametrize(
+    "size,trailer",
+    [(b"%x", b""), (b"%08x", b""), (b"%x;name=value", b""), (b"%x", b"x-trailer: 1\r\n")],
+    ids=["lower", "zero-padded", "extension", "trailers"],
+)
+def test_raw_relay_releases_every_chunk_but_the_last_however_cut(
+    size: bytes, trailer: bytes
+) -> None:
+    wire = _wire(PARTS, size, trailer)
+    last = len(wire) - len(b"0\r\n" + trailer + b"\r\n")
+    cuts = [[wire[:c], wire[c:]] for c in range(len(wire) + 1)]
+    cuts.append([wire[i : i + 1] for i in range(len(wire))])
+    for reads in cuts:
+        released = _released(reads)
+        assert released[-1] == last  # the last chunk (and trailer) is never released
+        fed = 0
+        for got, r in zip(released, reads, strict=True):
+            fed += len(r)
+            assert 0 <= got <= fed
+            held = wire[got:fed]
+            # only a size line that may still be the last chunk's is held back
+            assert held == b"" or held.startswith(b"0"), (reads, got, fed)
+            assert got >= min(fed, last) - len(held)
+        assert released == sorted(released)

@@ -1,0 +1,251 @@
+"""Streams the SGLang proxy relays with the upstream's own chunk framing (`proxy.rawrelay`).
+
+A real proxy process (uvicorn) in front of a byte-exact upstream run in this process: it
+replays a stream the SGLang stand-in (`tests/helpers/fake_sglang.py`; real SGLang needs a GPU)
+sent, re-chunked at sizes that split frames anywhere and written in pieces with pauses, so the
+proxy's reads end anywhere (inside a chunk-size line, a CRLF, a frame). The client reads raw
+bytes from one keep-alive socket and compares them with what the upstream wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from tests.helpers.procs import fake_sglang_process, free_port, sglang_proxy_process
+from timwatch.sidecar.proxy.sglang_wire import SampleState
+
+BODY: dict[str, Any] = {
+    "input_ids": [5, 6, 7, 8],
+    "return_logprob": True,
+    "sampling_params": {"max_new_tokens": 40},
+    "stream": True,
+}
+
+
+class RawUpstream:
+    """An HTTP/1.1 upstream that answers every request with ``self.wire`` (the chunked body,
+    written in ``self.writes`` pieces, ``self.pause`` s apart) and records, per request, the
+    connection it came on; ``self.aborted`` counts answers whose connection went away."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.wire = b"0\r\n\r\n"
+        self.writes: list[int] = []
+        self.pause = 0.0
+        self.conns: list[int] = []
+        self.aborted = 0
+        self._next = 0
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        server = self.loop.run_until_complete(
+            asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        )
+        self.ready.set()
+        self.loop.run_forever()
+        server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn, self._next = self._next, self._next + 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                self.conns.append(conn)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                at, wire, pause = 0, self.wire, self.pause  # the test may set the next ones
+                for size in [*self.writes, len(wire)]:
+                    if at >= len(wire):
+                        break
+                    writer.write(wire[at : at + size])
+                    at += size
+                    await writer.drain()
+                    if pause:
+                        await asyncio.sleep(pause)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            if self.conns and self.conns[-1] == conn:
+                self.aborted += 1  # gone while answering (not an idle connection closed)
+        finally:
+            writer.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def raw_upstream() -> Iterator[RawUpstream]:
+    up = RawUpstream()
+    up.thread.start()
+    up.ready.wait(10)
+    try:
+        yield up
+    finally:
+        up.loop.call_soon_threadsafe(up.loop.stop)
+        up.thread.join(10)
+
+
+def _chunked(body: bytes, rng: random.Random, hi: int) -> bytes:
+    out, at = [], 0
+    while at < len(body):
+        step = rng.randint(1, hi)
+        part = body[at : at + step]
+        ext = b";x=1" if rng.random() < 0.1 else b""
+        out.append(b"%x%s\r\n%s\r\n" % (len(part), ext, part))
+        at += step
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+def _request() -> bytes:
+    payload = orjson.dumps(BODY)
+    return (
+        b"POST /generate HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(payload) + payload
+    )
+
+
+def _read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(head, raw chunked body up to and including the last chunk) from a keep-alive socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        more = sock.recv(65536)
+        if not more:
+            raise ConnectionError(f"closed in the head: {data!r}")
+        data += more
+    head, _, rest = data.partition(b"\r\n\r\n")
+    while not rest.endswith(b"\r\n0\r\n\r\n") and rest != b"0\r\n\r\n":
+        more = sock.recv(65536)
+        if not more:
+            raise ConnectionError("closed in the body")
+        rest += more
+    return head, rest
+
+
+def _dechunk(wire: bytes) -> bytes:
+    out, at = [], 0
+    while True:
+        eol = wire.index(b"\r\n", at)
+        size = int(wire[at:eol].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(wire[eol + 2 : eol + 2 + size])
+        at = eol + 4 + size
+
+
+def _object_record(sse: bytes) -> tuple[list[int], list[float]]:
+    state = SampleState()
+    for frame in sse.split(b"\n\n"):
+        if frame.startswith(b"data: {"):
+            state.offer(orjson.loads(frame[6:]))
+    if state.pending is not None:
+        state.feed(state.pending, stream=True)
+    return state.ids, [float(x) for x in state.logps if x is not None]
+
+
+def _counters(proxy: str) -> dict[str, Any]:
+    return httpx.get(f"{proxy}/timwatch/counters", timeout=10).json()
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_client_gets_the_upstream_bytes_cut_anywhere_on_one_keep_alive_connection(
+    incremental: bool,
+) -> None:
+    with fake_sglang_process(incremental) as sglang:
+        sse = httpx.post(f"{sglang}/generate", json=BODY, timeout=60).content
+    want = _object_record(sse)
+    with raw_upstream() as up, sglang_proxy_process(up.url) as proxy:
+        port = int(proxy.rsplit(":", 1)[1])
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        answers = 0
+        for seed, (chunk_hi, write_hi) in enumerate([(7, 13), (300, 50), (4000, 997), (9, 1)]):
+            rng = random.Random(seed)
+            up.wire = _chunked(sse, rng, chunk_hi)
+            sizes, total = [], 0
+            while total < len(up.wire) and len(sizes) < 60:
+                sizes.append(rng.randint(1, write_hi))
+                total += sizes[-1]
+            up.writes, up.pause = sizes, 0.002
+            sock.sendall(_request())
+            head, raw = _read_answer(sock)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert b"transfer-encoding: chunked" in head.lower()
+            assert raw == up.wire, seed  # the upstream's framing, byte for byte
+            assert _dechunk(raw) == sse
+            answers += 1
+        # the same connection still serves a plain request after raw-relayed streams
+        sock.sendall(b"GET /timwatch/healthz HTTP/1.1\r\nhost: t\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.close()
+        counters = _counters(proxy)
+        held = httpx.get(f"{proxy}/timwatch/records", timeout=30).json()["records"]
+    assert counters["proxy"]["raw_streams"] == answers
+    assert counters["proxy"]["wire_errors"] == 0
+    assert counters["capture"]["captured"] == answers
+    # every answer was captured; the replays share one rid, so the store holds one record
+    assert held and all((r["output_ids"], r["logp"]) == want for r in held)
+
+
+def test_a_client_leaving_mid_stream_closes_the_upstream_connection() -> None:
+    with fake_sglang_process(True) as sglang:
+        sse = httpx.post(f"{sglang}/generate", json=BODY, timeout=60).content
+    with raw_upstream() as up, sglang_proxy_process(up.url) as proxy:
+        port = int(proxy.rsplit(":", 1)[1])
+        up.wire = _chunked(sse * 40, random.Random(1), 200)
+        up.writes, up.pause = [512] * 400, 0.01  # about 4 s of stream
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall(_request())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.close()
+        deadline = time.monotonic() + 10
+        while up.aborted == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert up.aborted == 1  # the proxy closed its upstream connection
+        # and goes on serving, on a fresh upstream connection
+        up.wire, up.writes, up.pause = _chunked(sse, random.Random(2), 50), [], 0.0
+        with httpx.Client(timeout=30) as client:
+            assert client.post(f"{proxy}/generate", json=BODY).content == sse
+        assert up.conns[-1] != up.conns[0]
+        assert _counters(proxy)["proxy"]["raw_streams"] == 2
+
+
+def test_broken_upstream_framing_closes_the_client_connection_and_is_not_reused() -> None:
+    good = b"data: {}\n\n"
+    with raw_upstream() as up, sglang_proxy_process(up.url) as proxy:
+        port = int(proxy.rsplit(":", 1)[1])
+        up.wire = b"%x\r\n%s\r\nzz\r\nbroken\r\n0\r\n\r\n" % (len(good), good)
+        up.writes, up.pause = [len(good) + 5, 5], 0.05
+        sock = socket.create_connection(("127.0.0.1", port), timeout=20)
+        sock.sendall(_request())
+        got = b""
+        while more := sock.recv(65536):  # closed by the proxy, never hung
+            got += more
+        sock.close()
+        head, _, body = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert body == b"%x\r\n%s\r\n" % (len(good), good)  # no last chunk: an error to the client
+        up.wire = b"%x\r\n%s\r\n0\r\n\r\n" % (len(good), good)
+        up.writes, up.pause = [], 0.0
+        with httpx.Client(timeout=30) as client:
+            assert client.post(f"{proxy}/generate", json=BODY).content == good
+        assert up.conns == [0, 1]  # the broken connection was not used again
