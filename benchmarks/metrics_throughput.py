@@ -163,16 +163,18 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     worst_score, worst_index,
     ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """The kernel's chunk loop up to `stop`: 0 staging, 1 + first vector pass, 2 + verl vector
-    pass, 3 + verl per-sequence segment sums, 4 + the walk: scatter cells, sequence sums,
-    scatters and top-k (the whole kernel but the final fold of the split counts)."""
+    """The kernel's chunk loop up to `stop`: 0 staging, 1 + first vector pass, 2 + the verl-parity
+    pass (token sums, counts and per-sequence segment sums), 3 + the walk: scatter cells,
+    sequence sums, scatters and top-k (the whole kernel but the final fold of the split
+    counts)."""
     chunk = K._CHUNK
     x_mu, x_pi, x_h = K._aligned_f64(chunk), K._aligned_f64(chunk), K._aligned_f64(chunk)
     x_on = K._aligned_i64(chunk)
-    f = [K._aligned_f64(chunk) for _ in range(7)]
+    f = [K._aligned_f64(chunk) for _ in range(6)]
     g = [K._aligned_i64(chunk) for _ in range(3)]
-    ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    ad2 = np.zeros(KW.LANES * 2 * hist_ad.shape[0], dtype=np.int64)
+    heat2 = np.zeros(KW.LANES * 2 * heat_all.size, dtype=np.int64)
+    ps4 = np.zeros(KW.LANES * prom_s.shape[0], dtype=np.int64)
     cells = np.empty((3, chunk), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     vst = np.zeros(2, dtype=np.int64)
@@ -195,19 +197,15 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
                 f[0], f[1], f[2], f[3], f[4], f[5], g[0], g[1], g[2], layouts,
             )  # fmt: skip
         if stop >= 2:
-            K._vector_phase_verl(
-                x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4], f[6]
-            )
-        if stop >= 3:
             KS.segment_pass(
-                cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, f[0], f[1], f[2], f[6],
+                cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, f[0], f[1], f[2], f[3], f[4],
                 params, fsum, fext, cnt,
             )  # fmt: skip
-        if stop >= 4:
+        if stop >= 3:
             KW.walk_chunk(
                 cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], g[1], g[2], params,
                 fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-                ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+                ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
                 ad_bump, s_edges, h_edges, hd_edges,
             )  # fmt: skip
 
@@ -231,21 +229,20 @@ def breakdown(
             *BIN_TABLES,
         )  # fmt: skip
 
-    steps: list[Callable[[], object]] = [lambda k=k: parts(k) for k in range(5)]  # type: ignore[misc]
+    steps: list[Callable[[], object]] = [lambda k=k: parts(k) for k in range(4)]  # type: ignore[misc]
     steps.append(lambda: _run_kernel(b, p, 0, b.num_sequences))
     steps.append(lambda: derive_row(accumulate(b, p, threads=1)))
     t = [math.inf] * len(steps)
     for _ in range(passes):  # interleaved: the differences of minima are what is printed
         t = [min(old, best_of(fn, repeat, clock)) for old, fn in zip(t, steps, strict=True)]
-    t_kernel, t_full = t[5], t[6]
+    t_kernel, t_full = t[4], t[5]
     t_opt = best_of(lambda: _optional_inputs(b, acc), repeat, clock)
     rows = (
         ("staging copy (float32 -> aligned float64)", t[0]),
         ("first vector pass (original catalog)", t[1] - t[0]),
-        ("verl-parity vector pass", t[2] - t[1]),
-        ("verl per-sequence segment sums", t[3] - t[2]),
-        ("walk: scatter cells, sequence sums, scatters, top-k", t[4] - t[3]),
-        ("fold of the split counts, rest of the kernel", t_kernel - t[4]),
+        ("verl-parity pass (token and per-sequence sums)", t[2] - t[1]),
+        ("walk: scatter cells, sequence sums, scatters, top-k", t[3] - t[2]),
+        ("fold of the split counts, rest of the kernel", t_kernel - t[3]),
         ("outside the kernel (split, top-k, optional, row)", t_full - t_kernel),
     )
     print("where the time goes (one thread, parts measured alone):")

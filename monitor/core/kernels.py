@@ -9,8 +9,8 @@ chunks of `_CHUNK` tokens that stay in L1:
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. the verl-parity pass and its per-sequence segment sums (`kernels_seq`), over the same
-   staged buffers.
+2. `kernels_seq.segment_pass`: the verl-parity metrics (token sums, counts and per-sequence
+   sums) in one vectorised pass over the same staged buffers, cut at sequence boundaries.
 3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
    computed in a loop of their own; one sequential loop then adds the per-sequence sums in
    token order (their bits are those of the original token-by-token walk) and scatters the
@@ -35,6 +35,7 @@ from timwatch.monitor.core.fastmath import (
 )
 from timwatch.monitor.core.kernels_seq import VACC, close_segments, segment_pass, start_segments
 from timwatch.monitor.core.kernels_walk import (
+    LANES,
     finish_sequence,
     fold_fine,
     kpop_reject,
@@ -48,11 +49,7 @@ __all__ = ["F", "M", "C", "core_kernel", "k3_of"]
 _CHUNK = 1024
 _BIG = 1.7976931348623157e308
 _FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf assumptions
-_C_TOKENS, _C_SEQ, _C_TOK, _C_SEQR = C.tokens, C.sequences, C.tok_reject, C.seq_reject
-_F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
-_M_SEQ_ABS_L = M.seq_abs_l
-_F_TIS, _F_PD2 = F.tis_m1, F.pd2
-_C_LOW, _C_TOK2 = C.is_low, C.tok_reject2
+_C_TOKENS, _C_TOK = C.tokens, C.tok_reject
 
 
 @njit(cache=True, error_model="numpy")
@@ -184,64 +181,6 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 4] += n_tis
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-def _vector_phase_verl(  # type: ignore[no-untyped-def]
-    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w,
-):  # fmt: skip
-    """The verl-parity token sums and counts, a second pass over the staged chunk (the first
-    pass's code, and so its summation order, stays as it was: rows keep their bits)."""
-    tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
-    c_tis, c_m1 = params[21], params[22]
-    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
-    n_low = n_k1 = n_k2 = n_k3 = 0
-    for j in range(n):
-        on = x_on[j] != 0
-        w = 1.0 if on else 0.0
-        d = b_d[j]
-        rm1 = b_rm1[j]
-        r = b_r[j]
-        dc = min(max(d, -20.0), 20.0)
-        q = b_q[j]
-        pp = q + q * rm1
-        near = abs(d) <= 20.0
-        pdiff = abs(pp - q) if near else 0.0
-        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
-        pw = wn * pp
-        qw = wn * q
-        wm1 = min(rm1, c_m1)
-        wt = min(r, c_tis)
-        k3 = b_k3[j]
-        s_wm1 += wm1
-        s_wm1sq += wm1 * wm1
-        s_w += w * wt
-        s_w2 += w * (wt * wt)
-        s_pd2 += pdiff * pdiff
-        s_p += pw
-        s_q += qw
-        s_p2 += pw * pp
-        s_q2 += qw * q
-        s_pq += pw * q
-        n_low += on & (dc < -tis_c)
-        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
-        n_k2 += 0.5 * dc * dc > t_k2
-        n_k3 += k3 > t_k3
-        b_w[j] = wt
-    fsum[_F_TIS] += s_wm1
-    fsum[_F_TIS + 1] += s_wm1sq
-    fsum[_F_TIS + 2] += s_w
-    fsum[_F_TIS + 3] += s_w2
-    fsum[_F_PD2] += s_pd2
-    fsum[_F_PD2 + 1] += s_p
-    fsum[_F_PD2 + 2] += s_q
-    fsum[_F_PD2 + 3] += s_p2
-    fsum[_F_PD2 + 4] += s_q2
-    fsum[_F_PD2 + 5] += s_pq
-    cnt[_C_LOW] += n_low
-    cnt[_C_TOK2 + 0] += n_k1
-    cnt[_C_TOK2 + 1] += n_k2
-    cnt[_C_TOK2 + 2] += n_k3
-
-
 @njit(cache=True, nogil=True, error_model="numpy")
 def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, mu, pi, ent, mask, params,
@@ -259,15 +198,15 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_d = _aligned_f64(_CHUNK)
     b_k3 = _aligned_f64(_CHUNK)
     b_rm1 = _aligned_f64(_CHUNK)
-    b_w = _aligned_f64(_CHUNK)
     b_r = _aligned_f64(_CHUNK)
     b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
     b_sb = _aligned_i64(_CHUNK)
     b_hb = _aligned_i64(_CHUNK)
-    ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    ad2 = np.zeros(LANES * 2 * hist_ad.shape[0], dtype=np.int64)
+    heat2 = np.zeros(LANES * 2 * heat_all.size, dtype=np.int64)
+    ps4 = np.zeros(LANES * prom_s.shape[0], dtype=np.int64)
     cells = np.empty((3, _CHUNK), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     for i in range(worst_score.shape[0]):
@@ -291,15 +230,14 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
             b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
         )  # fmt: skip
-        _vector_phase_verl(x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w)
-        segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w,
+        segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_r, b_q,
                      params, fsum, fext, cnt)  # fmt: skip
         walk_chunk(
             cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
             fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-            ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+            ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
             ad_bump, s_edges, h_edges, hd_edges,
         )  # fmt: skip
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
-    fold_fine(ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table)
+    fold_fine(ad2, heat2, ps4, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table)
     close_segments(vacc, fsum, fext, cnt, params)

@@ -1,10 +1,12 @@
-"""Per-sequence statistics of the verl-parity metrics, vectorised over sequence segments.
+"""The verl-parity metrics: token sums, counts and per-sequence statistics, in one vectorised
+pass over sequence segments.
 
-The fused kernel's scalar walk keeps what it always computed (its sequential per-sequence sums
-give the original rows their bits). verl's per-sequence statistics are new definitions with
-no such history, so they are summed here instead: each chunk is cut at sequence boundaries and
-every segment is one vectorised reduction over the chunk's staged buffers (reassociated sums,
-float rounding at the 1e-16 level); the running sums of a sequence cross chunks in `vacc`.
+The fused kernel's first vector pass and scalar walk keep what they always computed (their
+sums give the rows that existed at 530cb8a their bits). verl's metrics are new definitions with
+no such history, so they are summed here, in one pass: each chunk is cut at sequence boundaries
+and every segment is one vectorised reduction over the chunk's staged buffers that feeds both
+the batch's token sums and its sequence's running sums (reassociated sums, float rounding at
+the 1e-16 level); the running sums of a sequence cross chunks in `vacc`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ __all__ = ["VACC", "close_segments", "segment_pass", "start_segments"]
 _FASTMATH = {"reassoc", "nsz", "contract"}
 _EXP_GUARD = 600.0  # perplexity exps: far from overflow even summed over 2^53 sequences
 _F_PPL = F.ppl_train
-_C_TOK2, _C_SEQR2, _C_WHI = C.tok_reject2, C.seq_reject2, C.seq_w_high
+_C_TOK2, _C_SEQR2, _C_WHI, _C_LOW = C.tok_reject2, C.seq_reject2, C.seq_w_high, C.is_low
+_F_TIS, _F_PD2 = F.tis_m1, F.pd2
 _M_LPD_MAX, _M_W_MAX, _M_W_DEV, _M_LPD_MIN, _M_W_MIN = (
     M.lpd_max, M.seq_w_max, M.seq_w_dev, M.lpd_min, M.seq_w_min,
 )  # fmt: skip
@@ -32,12 +35,17 @@ VACC = 11
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _segment(  # type: ignore[no-untyped-def]
-    j0, j1, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w, c_m1, vacc,
+    j0, j1, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_r, b_q, params, vacc, fsum, cnt,
 ):  # fmt: skip
-    """Add local positions [j0, j1) of the staged chunk to `vacc` (masked-out positions carry
-    δ = 0, k3 = 0, r − 1 = 0 and are weighted out of the rest)."""
-    n = 0
-    s_l = s_k3 = s_mu = s_pi = s_wm1 = s_w = s_rm1 = s_k2 = 0.0
+    """Add local positions [j0, j1) of the staged chunk to the verl-parity token sums and
+    counts (`fsum`, `cnt`) and to the running sums of their sequence (`vacc`). Masked-out
+    positions carry δ = 0, k3 = 0, r − 1 = 0, r = 1 and are weighted out of the rest. The
+    truncated-weight sums serve both: a segment's Σ(w − 1) and Σw are its sequence's too."""
+    tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
+    c_tis, c_m1 = params[21], params[22]
+    n = n_low = n_k1 = n_k2 = n_k3 = 0
+    s_l = s_k3 = s_mu = s_pi = s_wm1 = s_wm1sq = s_w = s_w2 = s_rm1 = s_k2 = 0.0
+    s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
     k_k2 = k_k3 = np.int64(0)  # maxima of non-negative floats on their bits (ordered alike)
     for j in range(j0, j1):
         on = x_on[j] != 0
@@ -45,21 +53,56 @@ def _segment(  # type: ignore[no-untyped-def]
         d = b_d[j]
         k3 = b_k3[j]
         rm1 = b_rm1[j]
+        q = b_q[j]
         dc = min(max(d, -20.0), 20.0)
         k2 = 0.5 * dc * dc
+        pp = q + q * rm1
+        near = abs(d) <= 20.0
+        pdiff = abs(pp - q) if near else 0.0
+        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
+        pw = wn * pp
+        qw = wn * q
+        wm1 = min(rm1, c_m1)
+        wt = min(b_r[j], c_tis)
         n += on
         s_l += d
         s_k3 += k3
         s_mu += w * x_mu[j]
         s_pi += w * x_pi[j]
-        s_wm1 += min(rm1, c_m1)
-        s_w += w * b_w[j]
+        s_wm1 += wm1
+        s_wm1sq += wm1 * wm1
+        s_w += w * wt
+        s_w2 += w * (wt * wt)
         s_rm1 += rm1
         s_k2 += k2
+        s_pd2 += pdiff * pdiff
+        s_p += pw
+        s_q += qw
+        s_p2 += pw * pp
+        s_q2 += qw * q
+        s_pq += pw * q
+        n_low += on & (dc < -tis_c)
+        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
+        n_k2 += k2 > t_k2
+        n_k3 += k3 > t_k3
         kx = np.int64(f64_bits(k2))
         k_k2 = kx if kx > k_k2 else k_k2
         kx = np.int64(f64_bits(k3))
         k_k3 = kx if kx > k_k3 else k_k3
+    fsum[_F_TIS] += s_wm1
+    fsum[_F_TIS + 1] += s_wm1sq
+    fsum[_F_TIS + 2] += s_w
+    fsum[_F_TIS + 3] += s_w2
+    fsum[_F_PD2] += s_pd2
+    fsum[_F_PD2 + 1] += s_p
+    fsum[_F_PD2 + 2] += s_q
+    fsum[_F_PD2 + 3] += s_p2
+    fsum[_F_PD2 + 4] += s_q2
+    fsum[_F_PD2 + 5] += s_pq
+    cnt[_C_LOW] += n_low
+    cnt[_C_TOK2 + 0] += n_k1
+    cnt[_C_TOK2 + 1] += n_k2
+    cnt[_C_TOK2 + 2] += n_k3
     vacc[0] += n
     vacc[1] += s_l
     vacc[2] += s_k3
@@ -126,18 +169,19 @@ def start_segments(cu, n, vst):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def segment_pass(  # type: ignore[no-untyped-def]
-    cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w, params, fsum, fext, cnt,
+    cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_r, b_q, params, fsum, fext,
+    cnt,
 ):  # fmt: skip
-    """Fold the staged chunk [c0, c1) into the per-sequence sums, closing every sequence that
-    ends inside it."""
+    """The verl-parity pass over the staged chunk [c0, c1): its token sums and counts, and the
+    per-sequence sums, closing every sequence that ends inside it."""
     nseq = cu.shape[0] - 1
-    c_m1 = params[22]
     a = c0
     while a < c1:
         end = vst[1]
         b = min(end, c1)
         if b > a:
-            _segment(a - c0, b - c0, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w, c_m1, vacc)
+            _segment(a - c0, b - c0, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_r, b_q, params, vacc,
+                     fsum, cnt)  # fmt: skip
         a = b
         if b == end and end < n:
             if vacc[0] > 0:
