@@ -164,25 +164,21 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """The kernel's chunk loop up to `stop`: 0 staging, 1 + first vector pass, 2 + the verl-parity
-    pass (token sums, counts and per-sequence segment sums), 3 + the walk: scatter cells,
-    sequence sums, scatters and top-k (the whole kernel but the final fold of the split
-    counts)."""
+    vector pass, 3 + the walk: scatter cells, sequence sums (original and verl's), scatters and
+    top-k (the whole kernel but the final fold of the split counts and the last sequence)."""
     chunk = K._CHUNK
     x_mu, x_pi, x_h = K._aligned_f64(chunk), K._aligned_f64(chunk), K._aligned_f64(chunk)
     x_on = K._aligned_i64(chunk)
-    f = [K._aligned_f64(chunk) for _ in range(6)]
+    f = [K._aligned_f64(chunk) for _ in range(9)]
     g = [K._aligned_i64(chunk) for _ in range(3)]
     ad2 = np.zeros(KW.LANES * 2 * hist_ad.shape[0], dtype=np.int64)
     heat2 = np.zeros(KW.LANES * 2 * heat_all.size, dtype=np.int64)
     ps4 = np.zeros(KW.LANES * prom_s.shape[0], dtype=np.int64)
     cells = np.empty((3, chunk), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
-    vst = np.zeros(2, dtype=np.int64)
-    vacc = np.zeros(KS.VACC, dtype=np.float64)
     wst = np.zeros(3, dtype=np.int64)
-    wacc = np.zeros(2, dtype=np.float64)
+    wacc = np.zeros(KS.VACC, dtype=np.float64)
     n = mu.shape[0]
-    KS.start_segments(cu, n, vst)
     KS.start_segments(cu, n, wst)
     for c0 in range(0, n, chunk):
         c1 = min(c0 + chunk, n)
@@ -197,15 +193,14 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
                 f[0], f[1], f[2], f[3], f[4], f[5], g[0], g[1], g[2], layouts,
             )  # fmt: skip
         if stop >= 2:
-            KS.segment_pass(
-                cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, f[0], f[1], f[2], f[3], f[4],
-                params, fsum, fext, cnt,
-            )  # fmt: skip
+            KS.verl_vector_pass(
+                x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4], f[6], f[7], f[8]
+            )
         if stop >= 3:
             KW.walk_chunk(
                 cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], g[1], g[2], params,
-                fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-                ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+                f[2], f[6], f[7], f[8], fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+                lb_k3, ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
                 ad_bump, s_edges, h_edges, hd_edges,
             )  # fmt: skip
 
@@ -240,8 +235,8 @@ def breakdown(
     rows = (
         ("staging copy (float32 -> aligned float64)", t[0]),
         ("first vector pass (original catalog)", t[1] - t[0]),
-        ("verl-parity pass (token and per-sequence sums)", t[2] - t[1]),
-        ("walk: scatter cells, sequence sums, scatters, top-k", t[3] - t[2]),
+        ("verl-parity vector pass", t[2] - t[1]),
+        ("walk: cells, sequence sums (+ verl's), scatters, top-k", t[3] - t[2]),
         ("fold of the split counts, rest of the kernel", t_kernel - t[3]),
         ("outside the kernel (split, top-k, optional, row)", t_full - t_kernel),
     )

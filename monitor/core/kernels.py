@@ -9,12 +9,13 @@ chunks of `_CHUNK` tokens that stay in L1:
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. `kernels_seq.segment_pass`: the verl-parity metrics (token sums, counts and per-sequence
-   sums) in one vectorised pass over the same staged buffers, cut at sequence boundaries.
+2. `kernels_seq.verl_vector_pass`: the verl-parity token sums and counts, over the same staged
+   buffers, and the per-token values of verl's per-sequence sums.
 3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
    computed in a loop of their own; one sequential loop then adds the per-sequence sums in
-   token order (their bits are those of the original token-by-token walk) and scatters the
-   cells into split counts that `fold_fine` turns into the histograms once per call.
+   token order (the original ones keep the bits of the original token-by-token walk; verl's
+   ride along, no pass of their own) and scatters the cells into split counts that `fold_fine`
+   turns into the histograms once per call.
 
 Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
 |δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.
@@ -33,7 +34,7 @@ from timwatch.monitor.core.fastmath import (
     k3_rm1_r,
     order_key,
 )
-from timwatch.monitor.core.kernels_seq import VACC, close_segments, segment_pass, start_segments
+from timwatch.monitor.core.kernels_seq import VACC, start_segments, verl_vector_pass
 from timwatch.monitor.core.kernels_walk import (
     LANES,
     finish_sequence,
@@ -199,6 +200,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_k3 = _aligned_f64(_CHUNK)
     b_rm1 = _aligned_f64(_CHUNK)
     b_r = _aligned_f64(_CHUNK)
+    b_wm1 = _aligned_f64(_CHUNK)
+    b_w = _aligned_f64(_CHUNK)
+    b_k2 = _aligned_f64(_CHUNK)
     b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
@@ -214,10 +218,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             wk[0] = i
     n = mu.shape[0]
     wst = np.zeros(3, dtype=np.int64)
-    wacc = np.zeros(2, dtype=np.float64)
-    vst = np.zeros(2, dtype=np.int64)
-    vacc = np.zeros(VACC, dtype=np.float64)
-    start_segments(cu, n, vst)
+    wacc = np.zeros(VACC, dtype=np.float64)
     start_segments(cu, n, wst)
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
@@ -230,14 +231,14 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
             b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
         )  # fmt: skip
-        segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_r, b_q,
-                     params, fsum, fext, cnt)  # fmt: skip
+        verl_vector_pass(
+            x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
+        )  # fmt: skip
         walk_chunk(
             cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
-            fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-            ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+            b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+            lb_k3, ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
             ad_bump, s_edges, h_edges, hd_edges,
         )  # fmt: skip
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
     fold_fine(ad2, heat2, ps4, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table)
-    close_segments(vacc, fsum, fext, cnt, params)

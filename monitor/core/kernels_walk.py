@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit
 
 from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, log
+from timwatch.monitor.core.kernels_seq import verl_close
 from timwatch.monitor.core.layout import C, F, M
 
 __all__ = [
@@ -106,26 +107,29 @@ def close_sequence(  # type: ignore[no-untyped-def]
 def finish_sequence(  # type: ignore[no-untyped-def]
     wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
 ):  # fmt: skip
-    """Close the running sequence if it has masked tokens, and reset the running sums."""
+    """Close the running sequence if it has masked tokens (its original statistics, then verl's
+    on the same L and Σk3), and reset the running sums."""
     if wst[2] > 0:
         close_sequence(
-            wst[2], wacc[0], wacc[1], fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
+            wst[2], wacc[1], wacc[2], fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
         )  # fmt: skip
+        wacc[0] = wst[2]
+        verl_close(wacc, fsum, fext, cnt, params)
     wst[2] = 0
-    wacc[0] = 0.0
-    wacc[1] = 0.0
+    wacc[:] = 0.0
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
-    fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+    b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
-    sums (wst = (sequence, its end, masked tokens so far), wacc = (L, Σk3)), closing every
-    sequence that ends inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
+    sums (wst = (sequence, its end, masked tokens so far), wacc = `kernels_seq.VACC`'s running
+    sums: L and Σk3 of the original statistics, and verl's), closing every sequence that ends
+    inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
     probabilities; the top-k (wk[0] is its minimal slot).
 
     ad2[2·b + u] counts the tokens of fine |δ| bin b that are (u = 1) or are not above the
@@ -189,13 +193,25 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         end = wst[1]
         b = min(end, c1)
         n_s = wst[2]
-        big_l = wacc[0]
-        k3_s = wacc[1]
+        big_l = wacc[1]
+        k3_s = wacc[2]
+        s_mu, s_pi, s_wm1, s_w, s_rm1, s_k2 = wacc[3], wacc[4], wacc[5], wacc[6], wacc[7], wacc[8]
+        m_k2, m_k3 = wacc[9], wacc[10]
         for j in range(a - c0, b - c0):
             on = x_on[j] != 0
             n_s += on
+            k3 = b_k3[j]
+            k2 = b_k2[j]
             big_l += b_d[j]
-            k3_s += b_k3[j]
+            k3_s += k3
+            s_mu += x_mu[j] if on else 0.0
+            s_pi += x_pi[j] if on else 0.0
+            s_wm1 += b_wm1[j]
+            s_w += b_w[j]
+            s_rm1 += b_rm1[j]
+            s_k2 += k2
+            m_k2 = max(m_k2, k2)
+            m_k3 = max(m_k3, k3)
             ad2[k_ad[j]] += on
             prom_s[k_s[j]] += on
             heat2[k_h[j]] += on
@@ -208,8 +224,10 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
                         wmin = i
                 thr = worst_score[wmin]
         wst[2] = n_s
-        wacc[0] = big_l
-        wacc[1] = k3_s
+        wacc[1] = big_l
+        wacc[2] = k3_s
+        wacc[3], wacc[4], wacc[5], wacc[6], wacc[7], wacc[8] = s_mu, s_pi, s_wm1, s_w, s_rm1, s_k2
+        wacc[9], wacc[10] = m_k2, m_k3
         a = b
         if b == end and end < n:
             finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
