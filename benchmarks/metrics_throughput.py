@@ -169,8 +169,8 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     chunk = K._CHUNK
     x_mu, x_pi, x_h = K._aligned_f64(chunk), K._aligned_f64(chunk), K._aligned_f64(chunk)
     x_on = K._aligned_i64(chunk)
-    f = [K._aligned_f64(chunk) for _ in range(9)]
-    g = [K._aligned_i64(chunk) for _ in range(3)]
+    f = [K._aligned_f64(chunk) for _ in range(10)]
+    g = [K._aligned_i64(chunk)]
     ad2 = np.zeros(KW.LANES * 2 * hist_ad.shape[0], dtype=np.int64)
     heat2 = np.zeros(KW.LANES * 2 * heat_all.size, dtype=np.int64)
     ps4 = np.zeros(KW.LANES * prom_s.shape[0], dtype=np.int64)
@@ -190,15 +190,16 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
         if stop >= 1:
             K._vector_phase(
                 x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-                f[0], f[1], f[2], f[3], f[4], f[5], g[0], g[1], g[2], layouts,
+                f[0], f[1], f[2], f[3], f[4], f[5], g[0], f[9], layouts,
             )  # fmt: skip
+            K._kpop_candidates(x_mu, x_pi, x_on, c1 - c0, params, cnt, f[4], f[9])
         if stop >= 2:
             KS.verl_vector_pass(
                 x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4], f[6], f[7], f[8]
             )
         if stop >= 3:
             KW.walk_chunk(
-                cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], g[1], g[2], params,
+                cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], params,
                 f[2], f[6], f[7], f[8], fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
                 lb_k3, ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
                 ad_bump, s_edges, h_edges, hd_edges,

@@ -39,6 +39,7 @@ from timwatch.monitor.core.kernels_walk import (
     LANES,
     finish_sequence,
     fold_fine,
+    kpop_maybe,
     kpop_reject,
     walk_chunk,
 )
@@ -70,23 +71,25 @@ def _aligned_i64(n):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
-    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
 ):  # fmt: skip
-    """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
+    """KPop's exact test (a log and a division per token) runs only on the tokens `kpop_maybe`
+    cannot clear, in `_kpop_candidates`: this pass stores e^π there (b_kp, −1 elsewhere).
+
+    Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
     the same shape for every chunk whatever the caller's array alignment, so the reassociated
     sums, and therefore rows, are identical for JSON, safetensors and in-memory batches."""
     tau, eps, dabs, ice_lo, ice_hi = params[0], params[1], params[2], params[3], params[4]
     phi, tis_c = params[5], params[6]
     ad_lo, ad_oct, ad_sub, ad_last = layouts[0], layouts[1], layouts[2], layouts[3]
-    s_lo, s_oct, s_sub, s_last = layouts[4], layouts[5], layouts[6], layouts[7]
-    h_lo, h_oct, h_sub, h_last = layouts[8], layouts[9], layouts[10], layouts[11]
     s_d = s_ad = s_d2 = s_k3 = s_rm1 = s_rm1sq = s_h = s_h2 = s_d2h = s_d4 = 0.0
     s_pd = s_sc = s_r = s_r2 = 0.0
     k_lo, k_hi = order_key(-_BIG), order_key(_BIG)
     k_ad = k_pd = k_hmax = k_d2max = order_key(0.0)
     k_dmax = k_lo
     k_dmin = k_hmin = k_d2min = k_hi
-    n_on = n_estr = n_dabs = n_ice = n_tis = n_kpop = 0
+    n_on = n_estr = n_dabs = n_ice = n_tis = 0
+    phi_half = 0.5 * phi if phi >= 1e-9 else -1.0
     for j in range(n):
         on = x_on[j] != 0
         m0 = x_mu[j]
@@ -142,7 +145,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
         n_tis += dc > tis_c
-        n_kpop += near & kpop_reject(pp, q, p, m, phi)
+        b_kp[j] = pp if near & kpop_maybe(pp, q, phi_half) else -1.0
         b_d[j] = d
         b_k3[j] = k3
         b_rm1[j] = rm1
@@ -150,8 +153,6 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         b_q[j] = q
         b_score[j] = score
         b_fb[j] = fine_index(ad, ad_lo, ad_oct, ad_sub, ad_last)
-        b_sb[j] = fine_index(score, s_lo, s_oct, s_sub, s_last)
-        b_hb[j] = fine_index(h, h_lo, h_oct, h_sub, h_last)
     fsum[0] += s_d
     fsum[1] += s_ad
     fsum[2] += s_d2
@@ -178,8 +179,23 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 0] += n_estr
     cnt[_C_TOK + 1] += n_dabs
     cnt[_C_TOK + 2] += n_ice
-    cnt[_C_TOK + 3] += n_kpop
     cnt[_C_TOK + 4] += n_tis
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+def _kpop_candidates(x_mu, x_pi, x_on, n, params, cnt, b_q, b_kp):  # type: ignore[no-untyped-def]
+    """KPop's count over the candidates of the first pass, with that pass's arithmetic (the same
+    expressions under the same fast-math flags, so the same decisions)."""
+    phi = params[5]
+    n_kpop = 0
+    for j in range(n):
+        pp = b_kp[j]
+        if pp >= 0.0:
+            on = x_on[j] != 0
+            p = x_pi[j] if on else -1.0
+            m = x_mu[j] if on else -1.0
+            n_kpop += kpop_reject(pp, b_q[j], p, m, phi)
+    cnt[_C_TOK + 3] += n_kpop
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -203,11 +219,10 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_wm1 = _aligned_f64(_CHUNK)
     b_w = _aligned_f64(_CHUNK)
     b_k2 = _aligned_f64(_CHUNK)
+    b_kp = _aligned_f64(_CHUNK)
     b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
-    b_sb = _aligned_i64(_CHUNK)
-    b_hb = _aligned_i64(_CHUNK)
     ad2 = np.zeros(LANES * 2 * hist_ad.shape[0], dtype=np.int64)
     heat2 = np.zeros(LANES * 2 * heat_all.size, dtype=np.int64)
     ps4 = np.zeros(LANES * prom_s.shape[0], dtype=np.int64)
@@ -229,13 +244,14 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_on[j] = mask[c0 + j]
         _vector_phase(
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-            b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
+            b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
         )  # fmt: skip
+        _kpop_candidates(x_mu, x_pi, x_on, c1 - c0, params, cnt, b_q, b_kp)
         verl_vector_pass(
             x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
         )  # fmt: skip
         walk_chunk(
-            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
+            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, params,
             b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
             lb_k3, ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
             ad_bump, s_edges, h_edges, hd_edges,

@@ -31,6 +31,7 @@ __all__ = [
     "close_sequence",
     "finish_sequence",
     "fold_fine",
+    "kpop_maybe",
     "kpop_reject",
     "walk_chunk",
     "LANES",
@@ -68,6 +69,18 @@ def kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
     lq = min(max(lq, LOG_P_LO), LOG_P_HI)
     lam = log((1.0 - pc) / (1.0 - qc))
     return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_maybe(p, q, phi_half):  # type: ignore[no-untyped-def]
+    """False only where `kpop_reject` is False for certain: both Bernoulli KLs are at most the
+    χ² divergence (p − q)²/(b(1 − b)) (b = q, then p; probabilities clamped alike), and below
+    φ/2 that bound leaves φ/2 of room for the rounding of the exact test (~1e-14 absolute).
+    `phi_half` = −1 makes every token a candidate (φ too small for the bound to help)."""
+    pc = min(max(p, 1e-8), 1.0 - 1e-8)
+    qc = min(max(q, 1e-8), 1.0 - 1e-8)
+    g = pc - qc
+    return g * g > phi_half * min(qc * (1.0 - qc), pc * (1.0 - pc))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -121,7 +134,7 @@ def finish_sequence(  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
-    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
+    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, params,
     b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_edges, h_edges, hd_edges,
