@@ -40,7 +40,6 @@ from timwatch.monitor.core.kernels_walk import (
     finish_sequence,
     fold_fine,
     kpop_maybe,
-    kpop_reject,
     walk_chunk,
 )
 from timwatch.monitor.core.layout import C, F, M
@@ -74,7 +73,8 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
 ):  # fmt: skip
     """KPop's exact test (a log and a division per token) runs only on the tokens `kpop_maybe`
-    cannot clear, in `_kpop_candidates`: this pass stores e^π there (b_kp, −1 elsewhere).
+    cannot clear, in the walk (`kernels_walk.rare_token`): this pass stores their e^π in b_kp
+    (−1 elsewhere).
 
     Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
     the same shape for every chunk whatever the caller's array alignment, so the reassociated
@@ -182,22 +182,6 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 4] += n_tis
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-def _kpop_candidates(x_mu, x_pi, x_on, n, params, cnt, b_q, b_kp):  # type: ignore[no-untyped-def]
-    """KPop's count over the candidates of the first pass, with that pass's arithmetic (the same
-    expressions under the same fast-math flags, so the same decisions)."""
-    phi = params[5]
-    n_kpop = 0
-    for j in range(n):
-        pp = b_kp[j]
-        if pp >= 0.0:
-            on = x_on[j] != 0
-            p = x_pi[j] if on else -1.0
-            m = x_mu[j] if on else -1.0
-            n_kpop += kpop_reject(pp, b_q[j], p, m, phi)
-    cnt[_C_TOK + 3] += n_kpop
-
-
 @njit(cache=True, nogil=True, error_model="numpy")
 def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, mu, pi, ent, mask, params,
@@ -246,12 +230,11 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
             b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
         )  # fmt: skip
-        _kpop_candidates(x_mu, x_pi, x_on, c1 - c0, params, cnt, b_q, b_kp)
         verl_vector_pass(
             x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
         )  # fmt: skip
         walk_chunk(
-            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, params,
+            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
             b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
             lb_k3, ad2, ps4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
             ad_bump, s_edges, h_edges, hd_edges,

@@ -71,6 +71,38 @@ def kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
     return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})
+def kpop_near(pp, q, p, m, phi):  # type: ignore[no-untyped-def]
+    """`kpop_reject` of a near token (|δ| ≤ 20) with the first vector pass's fast-math flags (the
+    same expression under the same flags: the decision that pass used to take itself)."""
+    return kpop_reject(pp, q, p, m, phi)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def rare_token(j, kp, d, b_q, x_mu, x_pi, on, fsum, fext, cnt, phi):  # type: ignore[no-untyped-def]
+    """A KPop candidate of the first pass (kp = e^π ≥ 0) gets KPop's exact test; a |δ| > 20
+    token its probabilities from e^π itself (the vector passes skipped it)."""
+    if kp >= 0.0:
+        cnt[_C_TOK + 3] += kpop_near(
+            kp, b_q[j], x_pi[j] if on else -1.0, x_mu[j] if on else -1.0, phi
+        )
+    if abs(d) > 20.0:
+        mu = x_mu[j]
+        pi = x_pi[j]
+        q = math.exp(mu)
+        ep = math.exp(pi)
+        pdiff = abs(ep - q)
+        fsum[10] += pdiff
+        fext[1] = max(fext[1], pdiff)
+        cnt[_C_TOK + 3] += kpop_reject(ep, q, pi, mu, phi)
+        fsum[_F_PD2] += pdiff * pdiff
+        fsum[_F_PD2 + 1] += ep
+        fsum[_F_PD2 + 2] += q
+        fsum[_F_PD2 + 3] += ep * ep
+        fsum[_F_PD2 + 4] += q * q
+        fsum[_F_PD2 + 5] += ep * q
+
+
 @njit(inline="always", cache=True, error_model="numpy")
 def kpop_maybe(p, q, phi_half):  # type: ignore[no-untyped-def]
     """False only where `kpop_reject` is False for certain: both Bernoulli KLs are at most the
@@ -134,12 +166,13 @@ def finish_sequence(  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
-    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, params,
+    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
     b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
+    """Everything of the staged chunk [c0, c1) the vector passes leave (`rare_token`'s tokens,
+    in token order, after the chunk's vector sums, as before): the running sequence
     sums (wst = (sequence, its end, masked tokens so far), wacc = `kernels_seq.VACC`'s running
     sums: L and Σk3 of the original statistics, and verl's), closing every sequence that ends
     inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
@@ -159,22 +192,6 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     n_ad2 = ad2.shape[0] // LANES
     n_ps = prom_s.shape[0] // LANES
     m = c1 - c0
-    for j in range(m):
-        if abs(b_d[j]) > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped)
-            mu = x_mu[j]
-            pi = x_pi[j]
-            q = math.exp(mu)
-            ep = math.exp(pi)
-            pdiff = abs(ep - q)
-            fsum[10] += pdiff
-            fext[1] = max(fext[1], pdiff)
-            cnt[_C_TOK + 3] += kpop_reject(ep, q, pi, mu, phi)
-            fsum[_F_PD2] += pdiff * pdiff
-            fsum[_F_PD2 + 1] += ep
-            fsum[_F_PD2 + 2] += q
-            fsum[_F_PD2 + 3] += ep * ep
-            fsum[_F_PD2 + 4] += q * q
-            fsum[_F_PD2 + 5] += ep * q
     k_ad = cells[0]
     k_s = cells[1]
     k_h = cells[2]
@@ -228,6 +245,10 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
             ad2[k_ad[j]] += on
             prom_s[k_s[j]] += on
             heat2[k_h[j]] += on
+            d = b_d[j]
+            kp = b_kp[j]
+            if kp >= 0.0 or abs(d) > 20.0:  # rare: a KPop candidate, or |δ| > 20
+                rare_token(j, kp, d, b_q, x_mu, x_pi, on, fsum, fext, cnt, phi)
             score = b_score[j]
             if on and score > thr:
                 worst_score[wmin] = score
