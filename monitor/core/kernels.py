@@ -145,7 +145,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
         n_tis += dc > tis_c
-        b_kp[j] = pp if near & kpop_maybe(pp, q, phi_half) else -1.0
+        b_kp[j] = pp if near & kpop_maybe(pp, q, p, m, phi_half) else -1.0
         b_d[j] = d
         b_k3[j] = k3
         b_rm1[j] = rm1

@@ -22,7 +22,7 @@ import math
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, log
+from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, bits_f64, f64_bits, log
 from timwatch.monitor.core.kernels_seq import verl_close
 from timwatch.monitor.core.layout import C, F, M
 
@@ -46,6 +46,7 @@ _C_SEQ, _C_TOK, _C_SEQR = C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
 _F_PD2 = F.pd2
+_LN2 = math.log(2.0)
 
 
 def bump_table(table: np.ndarray, edges: np.ndarray, shift: int) -> np.ndarray:
@@ -104,15 +105,34 @@ def rare_token(j, kp, d, b_q, x_mu, x_pi, on, fsum, fext, cnt, phi):  # type: ig
 
 
 @njit(inline="always", cache=True, error_model="numpy")
-def kpop_maybe(p, q, phi_half):  # type: ignore[no-untyped-def]
-    """False only where `kpop_reject` is False for certain: both Bernoulli KLs are at most the
-    χ² divergence (p − q)²/(b(1 − b)) (b = q, then p; probabilities clamped alike), and below
-    φ/2 that bound leaves φ/2 of room for the rounding of the exact test (~1e-14 absolute).
-    `phi_half` = −1 makes every token a candidate (φ too small for the bound to help)."""
+def _log2_floor(x):  # type: ignore[no-untyped-def]
+    """⌊log2 x⌋ of a positive normal float, from its exponent bits (exact, as a float)."""
+    e = bits_f64((f64_bits(x) >> np.uint64(52)) | np.uint64(0x4330000000000000))
+    return e - 4503599627371520.0 - 1023.0
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_maybe(p, q, lp, lq, phi_half):  # type: ignore[no-untyped-def]
+    """False only where `kpop_reject` is False for certain, without its log and division: each
+    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass φ/2 (φ/2
+    of room is left for the rounding of the exact test, ~1e-14 absolute):
+
+    * χ²: D(a‖b) ≤ (a − b)²/(b(1 − b)) (tight for moderate probabilities);
+    * exponents: with λ = log((1 − p)/(1 − q)) as in `kpop_reject`, log2 of each side lies in
+      [e, e + 1) of its exponent e, so ±λ ≤ (±(e₁ − e₂) + 1)·ln 2 (tight near 0 and 1, where
+      the χ² bound is loose), and the other term of each KL is exact already (p·(lp − lq)).
+
+    `phi_half` = −1 makes every token a candidate (φ too small for the bounds to help)."""
     pc = min(max(p, 1e-8), 1.0 - 1e-8)
     qc = min(max(q, 1e-8), 1.0 - 1e-8)
+    lp = min(max(lp, LOG_P_LO), LOG_P_HI)
+    lq = min(max(lq, LOG_P_LO), LOG_P_HI)
     g = pc - qc
-    return g * g > phi_half * min(qc * (1.0 - qc), pc * (1.0 - pc))
+    chi2 = g * g > phi_half * min(qc * (1.0 - qc), pc * (1.0 - pc))
+    de = _log2_floor(1.0 - pc) - _log2_floor(1.0 - qc)
+    ub_a = pc * (lp - lq) + (1.0 - pc) * ((de + 1.0) * _LN2)
+    ub_b = qc * (lq - lp) + (1.0 - qc) * ((1.0 - de) * _LN2)
+    return chi2 & (max(ub_a, ub_b) > phi_half)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
