@@ -174,7 +174,7 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     ad2 = np.zeros(KW.LANES * 2 * hist_ad.shape[0], dtype=np.int64)
     heat2 = np.zeros(KW.LANES * 2 * heat_all.size, dtype=np.int64)
     ps4 = np.zeros(KW.LANES * prom_s.shape[0], dtype=np.int64)
-    cells = np.empty((3, chunk), dtype=np.int64)
+    cells = np.empty((4, chunk), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     wst = np.zeros(3, dtype=np.int64)
     wacc = np.zeros(KS.VACC, dtype=np.float64)

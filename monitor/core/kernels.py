@@ -73,7 +73,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
 ):  # fmt: skip
     """KPop's exact test (a log and a division per token) runs only on the tokens `kpop_maybe`
-    cannot clear, in the walk (`kernels_walk.rare_token`): this pass stores their e^π in b_kp
+    cannot clear, after the walk (`kernels_walk._kpop_near`): this pass stores their e^π in b_kp
     (−1 elsewhere).
 
     Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
@@ -210,7 +210,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     ad2 = np.zeros(LANES * 2 * hist_ad.shape[0], dtype=np.int64)
     heat2 = np.zeros(LANES * 2 * heat_all.size, dtype=np.int64)
     ps4 = np.zeros(LANES * prom_s.shape[0], dtype=np.int64)
-    cells = np.empty((3, _CHUNK), dtype=np.int64)
+    cells = np.empty((4, _CHUNK), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     for i in range(worst_score.shape[0]):
         if worst_score[i] < worst_score[wk[0]]:

@@ -73,35 +73,43 @@ def kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})
-def kpop_near(pp, q, p, m, phi):  # type: ignore[no-untyped-def]
-    """`kpop_reject` of a near token (|δ| ≤ 20) with the first vector pass's fast-math flags (the
-    same expression under the same flags: the decision that pass used to take itself)."""
-    return kpop_reject(pp, q, p, m, phi)
+def _kpop_near(rare, n_rare, b_kp, b_q, x_mu, x_pi, x_on, cnt, phi):  # type: ignore[no-untyped-def]
+    """`kpop_reject` of the chunk's KPop candidates (b_kp = e^π ≥ 0, |δ| ≤ 20) with the first
+    vector pass's fast-math flags: the same expression under the same flags, so the decision
+    that pass used to take itself."""
+    n_kpop = 0
+    for i in range(n_rare):
+        j = rare[i]
+        pp = b_kp[j]
+        if pp >= 0.0:
+            on = x_on[j] != 0
+            p = x_pi[j] if on else -1.0
+            m = x_mu[j] if on else -1.0
+            n_kpop += kpop_reject(pp, b_q[j], p, m, phi)
+    cnt[_C_TOK + 3] += n_kpop
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def rare_token(j, kp, d, b_q, x_mu, x_pi, on, fsum, fext, cnt, phi):  # type: ignore[no-untyped-def]
-    """A KPop candidate of the first pass (kp = e^π ≥ 0) gets KPop's exact test; a |δ| > 20
-    token its probabilities from e^π itself (the vector passes skipped it)."""
-    if kp >= 0.0:
-        cnt[_C_TOK + 3] += kpop_near(
-            kp, b_q[j], x_pi[j] if on else -1.0, x_mu[j] if on else -1.0, phi
-        )
-    if abs(d) > 20.0:
-        mu = x_mu[j]
-        pi = x_pi[j]
-        q = math.exp(mu)
-        ep = math.exp(pi)
-        pdiff = abs(ep - q)
-        fsum[10] += pdiff
-        fext[1] = max(fext[1], pdiff)
-        cnt[_C_TOK + 3] += kpop_reject(ep, q, pi, mu, phi)
-        fsum[_F_PD2] += pdiff * pdiff
-        fsum[_F_PD2 + 1] += ep
-        fsum[_F_PD2 + 2] += q
-        fsum[_F_PD2 + 3] += ep * ep
-        fsum[_F_PD2 + 4] += q * q
-        fsum[_F_PD2 + 5] += ep * q
+def _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi):  # type: ignore[no-untyped-def]
+    """The chunk's |δ| > 20 tokens, in token order: probabilities from e^π itself (the vector
+    passes skipped them), added after the chunk's vector sums, as before."""
+    for i in range(n_rare):
+        j = rare[i]
+        if abs(b_d[j]) > 20.0:
+            mu = x_mu[j]
+            pi = x_pi[j]
+            q = math.exp(mu)
+            ep = math.exp(pi)
+            pdiff = abs(ep - q)
+            fsum[10] += pdiff
+            fext[1] = max(fext[1], pdiff)
+            cnt[_C_TOK + 3] += kpop_reject(ep, q, pi, mu, phi)
+            fsum[_F_PD2] += pdiff * pdiff
+            fsum[_F_PD2 + 1] += ep
+            fsum[_F_PD2 + 2] += q
+            fsum[_F_PD2 + 3] += ep * ep
+            fsum[_F_PD2 + 4] += q * q
+            fsum[_F_PD2 + 5] += ep * q
 
 
 @njit(inline="always", cache=True, error_model="numpy")
@@ -191,8 +199,9 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """Everything of the staged chunk [c0, c1) the vector passes leave (`rare_token`'s tokens,
-    in token order, after the chunk's vector sums, as before): the running sequence
+    """Everything of the staged chunk [c0, c1) the vector passes leave (the rare tokens, listed
+    by the sequential loop and finished once per chunk by `_kpop_near` and `_far`): the running
+    sequence
     sums (wst = (sequence, its end, masked tokens so far), wacc = `kernels_seq.VACC`'s running
     sums: L and Σk3 of the original statistics, and verl's), closing every sequence that ends
     inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
@@ -236,6 +245,8 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         c += np.int64(x > s8) + (x > s9) + (x > s10) + (x > s11) + (x > s12) + (x > s13)
         k_s[j] = c + (x > s14) + (x > s15) + (x > s16) + lane * n_ps
     nseq = cu.shape[0] - 1
+    rare = cells[3]
+    n_rare = 0
     wmin = wk[0]
     thr = worst_score[wmin]
     a = c0
@@ -268,7 +279,8 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
             d = b_d[j]
             kp = b_kp[j]
             if kp >= 0.0 or abs(d) > 20.0:  # rare: a KPop candidate, or |δ| > 20
-                rare_token(j, kp, d, b_q, x_mu, x_pi, on, fsum, fext, cnt, phi)
+                rare[n_rare] = j
+                n_rare += 1
             score = b_score[j]
             if on and score > thr:
                 worst_score[wmin] = score
@@ -291,6 +303,8 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
             wst[0] = s
             wst[1] = cu[s + 1] if s < nseq else n
     wk[0] = wmin
+    _kpop_near(rare, n_rare, b_kp, b_q, x_mu, x_pi, x_on, cnt, phi)
+    _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
