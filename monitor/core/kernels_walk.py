@@ -40,7 +40,7 @@ __all__ = [
 #: split counts are kept in LANES copies (token j counts in copy j % LANES): consecutive tokens
 #: of one cell then increment different words, so a scatter does not wait on the previous one's
 #: store (integer counts: any split gives the same totals)
-LANES = 4
+LANES = 1
 
 _C_SEQ, _C_TOK, _C_SEQR = C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
