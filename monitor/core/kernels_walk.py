@@ -34,13 +34,7 @@ __all__ = [
     "kpop_maybe",
     "kpop_reject",
     "walk_chunk",
-    "LANES",
 ]
-
-#: split counts are kept in LANES copies (token j counts in copy j % LANES): consecutive tokens
-#: of one cell then increment different words, so a scatter does not wait on the previous one's
-#: store (integer counts: any split gives the same totals)
-LANES = 1
 
 _C_SEQ, _C_TOK, _C_SEQR = C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
@@ -217,16 +211,14 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     the sequential loop of the sequence sums, whose add latency they hide.
     """
     tau, eps, phi = params[0], params[1], params[5]
-    n_cells = heat2.shape[0] // (2 * LANES)
-    n_ad2 = ad2.shape[0] // LANES
-    n_ps = prom_s.shape[0] // LANES
+    n_cells = heat2.shape[0] // 2
     m = c1 - c0
     k_ad = cells[0]
     k_s = cells[1]
     k_h = cells[2]
     for j in range(m):
         fb = b_fb[j]
-        k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[fb]) + (j % LANES) * n_ad2
+        k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[fb])
     # edges as scalars: compares only, so this loop vectorises
     s1, s2, s3, s4, s5, s6, s7, s8 = s_edges[0:8]
     s9, s10, s11, s12, s13, s14, s15, s16 = s_edges[8:16]
@@ -238,12 +230,11 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         h = x_h[j] if x_on[j] != 0 else 0.0
         hc = np.int64(ad >= d1) + (ad >= d2) + (ad >= d3) + (ad >= d4) + (ad >= d5)
         hr = np.int64(h >= e1) + (h >= e2) + (h >= e3) + (h >= e4) + (h >= e5) + (h >= e6)
-        lane = j % LANES
-        k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps)) + lane * 2 * n_cells
+        k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
         x = b_score[j]
         c = np.int64(x > s1) + (x > s2) + (x > s3) + (x > s4) + (x > s5) + (x > s6) + (x > s7)
         c += np.int64(x > s8) + (x > s9) + (x > s10) + (x > s11) + (x > s12) + (x > s13)
-        k_s[j] = c + (x > s14) + (x > s15) + (x > s16) + lane * n_ps
+        k_s[j] = c + (x > s14) + (x > s15) + (x > s16)
     nseq = cu.shape[0] - 1
     rare = cells[3]
     n_rare = 0
@@ -309,27 +300,18 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def fold_fine(  # type: ignore[no-untyped-def]
-    ad2, heat2, ps4, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table,
+    ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table,
 ):  # fmt: skip
-    """Add the split counts of `walk_chunk` (LANES copies each) to the fine, coarse and heatmap
-    histograms."""
+    """Add the split counts of `walk_chunk` to the fine, coarse and heatmap histograms."""
     flat_all = heat_all.reshape(-1)
     flat_rej = heat_rej.reshape(-1)
     n_cells = flat_all.shape[0]
-    n_ad2 = ad2.shape[0] // LANES
-    n_ps = prom_s.shape[0]
-    for lane in range(LANES):
-        h0 = lane * 2 * n_cells
-        for i in range(n_cells):
-            flat_all[i] += heat2[h0 + i] + heat2[h0 + n_cells + i]
-            flat_rej[i] += heat2[h0 + n_cells + i]
-        for i in range(n_ps):
-            prom_s[i] += ps4[lane * n_ps + i]
+    for i in range(n_cells):
+        flat_all[i] += heat2[i] + heat2[n_cells + i]
+        flat_rej[i] += heat2[n_cells + i]
     for b in range(hist_ad.shape[0]):
-        lo = hi = 0
-        for lane in range(LANES):
-            lo += ad2[lane * n_ad2 + 2 * b]
-            hi += ad2[lane * n_ad2 + 2 * b + 1]
+        lo = ad2[2 * b]
+        hi = ad2[2 * b + 1]
         hist_ad[b] += lo + hi
         prom_ad[ad_table[b]] += lo
         if hi:
