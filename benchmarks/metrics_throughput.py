@@ -13,9 +13,9 @@ Older engines are timed on the same batch in the same run (`engine_at_rev.py`: a
 of the revision, run in a subprocess): by default the engine when issue 11 was filed (530cb8a,
 the "today" of its ≥ 2× goal) and the full catalog just before the speed work (e8c9d4d).
 
-It prints tokens/s, the ratios, and where the engine's time goes (staging, the first vector
-pass, the verl-parity pass and segment sums, the sequence sums, the scatters and top-k, work
-outside the kernel). Times are the minimum over N repetitions of the calling thread's CPU
+It prints tokens/s, the ratios (the read floor's among them), and where the engine's time goes
+(staging, the first vector pass, the verl-parity vector pass, the walk: cells, sequence sums,
+scatters, top-k and the rare KPop candidates, the fold, work outside the kernel). Times are the minimum over N repetitions of the calling thread's CPU
 time (`time.thread_time`), which other processes on a loaded machine disturb far less than
 wall time; `--wall` measures wall time instead.
 """
