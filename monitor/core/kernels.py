@@ -4,18 +4,19 @@ The full catalog needs ~30 reductions, 8 policies, histograms, a heatmap, length
 top-k. In numpy each is a pass over memory plus temporaries; here the batch is walked once, in
 chunks of `_CHUNK` tokens that stay in L1:
 
-1. `_vector_phase` (SIMD): every per-token value — k3, r, probabilities, KPop's Bernoulli KLs,
-   the ESTR score, histogram bin indices — and every sum, extremum and token-policy count.
+1. `_vector_phase` (SIMD), reading the inputs in place: every per-token value — k3, r,
+   probabilities, bounds on KPop's Bernoulli KLs, the ESTR score, |δ|'s fine bin — and every
+   sum, extremum and token-policy count.
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. `kernels_seq.verl_vector_pass`: the verl-parity token sums and counts, over the same staged
-   buffers, and the per-token values of verl's per-sequence sums.
+2. `kernels_seq.verl_vector_pass`: the verl-parity token sums and counts, over the first pass's
+   per-token buffers, and the per-token values of verl's per-sequence sums.
 3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
    computed in a loop of their own; one sequential loop then adds the per-sequence sums in
    token order (the original ones keep the bits of the original token-by-token walk; verl's
    ride along, no pass of their own) and scatters the cells into split counts that `fold_fine`
-   turns into the histograms once per call.
+   turns into the histograms once per call; KPop's exact test runs on the few candidates.
 
 Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
 |δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.
@@ -47,6 +48,11 @@ __all__ = ["F", "M", "C", "core_kernel", "k3_of"]
 
 
 _CHUNK = 1024
+#: chunks of at least this many tokens are read in place (float32 or float64, any mask dtype);
+#: a shorter last chunk is staged into float64/int64 buffers: LLVM enters the first pass's
+#: 8-lane loop from 8 tokens for the staged types but only from 16 for some direct ones, and
+#: the lanes' sums must not depend on which (rows keep their bits)
+_DIRECT = 16
 _BIG = 1.7976931348623157e308
 _FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf assumptions
 _C_TOKENS, _C_TOK = C.tokens, C.tok_reject
@@ -75,9 +81,13 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cannot clear, after the walk (`kernels_walk._kpop_near`): this pass stores their e^π in b_kp
     (−1 elsewhere).
 
-    Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
-    the same shape for every chunk whatever the caller's array alignment, so the reassociated
-    sums, and therefore rows, are identical for JSON, safetensors and in-memory batches."""
+    Its float sums are in the order LLVM's vectorisation gives this loop (read from
+    `inspect_llvm`): 8 lanes, one accumulator each, lane l summing the chunk's tokens l, l + 8,
+    … in order; then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)); then the remaining
+    n mod 8 tokens one by one; then added to the accumulator. Inputs are read in place (float32
+    or float64 arrays, see `engine._kernel_floats`) or, for a short last chunk, staged: both
+    give that order (`_DIRECT`), so rows are identical for JSON, safetensors and in-memory
+    batches, and the bit-identity test pins them."""
     tau, eps, dabs, ice_lo, ice_hi = params[0], params[1], params[2], params[3], params[4]
     phi, tis_c = params[5], params[6]
     ad_lo, ad_oct, ad_sub, ad_last = layouts[0], layouts[1], layouts[2], layouts[3]
@@ -182,6 +192,29 @@ def _vector_phase(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def _chunk(  # type: ignore[no-untyped-def]
+    x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext, cnt,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+    wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2, n_cols,
+    worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges, hd_edges,
+):  # fmt: skip
+    """The three passes over one chunk [c0, c1) of the inputs (x_* hold its tokens)."""
+    _vector_phase(
+        x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
+        b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
+    )  # fmt: skip
+    verl_vector_pass(
+        x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
+    )  # fmt: skip
+    walk_chunk(
+        cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
+        b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+        lb_k3, ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
+        ad_bump, s_edges, h_edges, hd_edges,
+    )  # fmt: skip
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, mu, pi, ent, mask, params,
     fsum, fext, cnt,
@@ -191,10 +224,6 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     layouts, ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """Fill the accumulators from one packed batch (see core.accumulator for the layout)."""
-    x_mu = _aligned_f64(_CHUNK)
-    x_pi = _aligned_f64(_CHUNK)
-    x_h = _aligned_f64(_CHUNK)
-    x_on = _aligned_i64(_CHUNK)
     b_d = _aligned_f64(_CHUNK)
     b_k3 = _aligned_f64(_CHUNK)
     b_rm1 = _aligned_f64(_CHUNK)
@@ -217,25 +246,32 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     wst = np.zeros(3, dtype=np.int64)
     wacc = np.zeros(VACC, dtype=np.float64)
     start_segments(cu, n, wst)
+    x_mu = _aligned_f64(_DIRECT)
+    x_pi = _aligned_f64(_DIRECT)
+    x_h = _aligned_f64(_DIRECT)
+    x_on = _aligned_i64(_DIRECT)
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
-        for j in range(c1 - c0):
-            x_mu[j] = mu[c0 + j]
-            x_pi[j] = pi[c0 + j]
-            x_h[j] = ent[c0 + j]
-            x_on[j] = mask[c0 + j]
-        _vector_phase(
-            x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-            b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
-        )  # fmt: skip
-        verl_vector_pass(
-            x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
-        )  # fmt: skip
-        walk_chunk(
-            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
-            b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
-            lb_k3, ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
-            ad_bump, s_edges, h_edges, hd_edges,
-        )  # fmt: skip
+        if c1 - c0 >= _DIRECT:
+            _chunk(
+                mu[c0:c1], pi[c0:c1], ent[c0:c1], mask[c0:c1], cu, n, c0, c1, params, fsum, fext,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
+                hd_edges,
+            )  # fmt: skip
+        else:  # a short last chunk: staged, see _DIRECT
+            for j in range(c1 - c0):
+                x_mu[j] = mu[c0 + j]
+                x_pi[j] = pi[c0 + j]
+                x_h[j] = ent[c0 + j]
+                x_on[j] = mask[c0 + j]
+            _chunk(
+                x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
+                hd_edges,
+            )  # fmt: skip
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
     fold_fine(ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table)

@@ -90,8 +90,8 @@ def _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi):  # type: ignore[n
     for i in range(n_rare):
         j = rare[i]
         if abs(b_d[j]) > 20.0:
-            mu = x_mu[j]
-            pi = x_pi[j]
+            mu = np.float64(x_mu[j])
+            pi = np.float64(x_pi[j])
             q = math.exp(mu)
             ep = math.exp(pi)
             pdiff = abs(ep - q)
@@ -256,8 +256,8 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
             k2 = b_k2[j]
             big_l += b_d[j]
             k3_s += k3
-            s_mu += x_mu[j] if on else 0.0
-            s_pi += x_pi[j] if on else 0.0
+            s_mu += np.float64(x_mu[j]) if on else 0.0
+            s_pi += np.float64(x_pi[j]) if on else 0.0
             s_wm1 += b_wm1[j]
             s_w += b_w[j]
             s_rm1 += b_rm1[j]
