@@ -114,6 +114,18 @@ def _split(batch: Batch, parts: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def _kernel_floats(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The kernel reads its float inputs in place, so it sees them only as contiguous arrays of
+    one dtype, float32 or float64 (the specialisations whose rows the bit-identity test pins);
+    anything else (mixed, float16, strided) becomes float64, which is exact."""
+    dt = arrays[0].dtype
+    if dt in (np.float32, np.float64) and all(
+        a.dtype == dt and a.flags.c_contiguous for a in arrays
+    ):
+        return arrays
+    return tuple(np.ascontiguousarray(a, dtype=np.float64) for a in arrays)
+
+
 def _run_kernel(
     batch: Batch, params: PolicyParams, s0: int, s1: int
 ) -> tuple[Accumulator, np.ndarray, np.ndarray]:
@@ -123,9 +135,11 @@ def _run_kernel(
     acc = Accumulator(params=params)
     worst_score = np.full(TOP_K, -1.0)
     worst_index = np.full(TOP_K, -1, dtype=np.int64)
+    mu, pi, ent = _kernel_floats(
+        batch.logp_rollout[lo:hi], batch.logp_train[lo:hi], batch.entropy[lo:hi]
+    )
     core_kernel(
-        cu, batch.logp_rollout[lo:hi], batch.logp_train[lo:hi], batch.entropy[lo:hi],
-        batch.loss_mask[lo:hi],
+        cu, mu, pi, ent, np.ascontiguousarray(batch.loss_mask[lo:hi], dtype=np.uint8),
         params.kernel_vector(),
         acc.fsum, acc.fext, acc.cnt,
         acc.hist_ad, acc.prom_ad, acc.prom_s, acc.heat_all, acc.heat_rej,

@@ -4,17 +4,19 @@ The full catalog needs ~30 reductions, 8 policies, histograms, a heatmap, length
 top-k. In numpy each is a pass over memory plus temporaries; here the batch is walked once, in
 chunks of `_CHUNK` tokens that stay in L1:
 
-1. `_vector_phase` (SIMD): every per-token value — k3, r, probabilities, KPop's Bernoulli KLs,
-   the ESTR score, histogram bin indices — and every sum, extremum and token-policy count.
+1. `_vector_phase` (SIMD), reading the inputs in place: every per-token value — k3, r,
+   probabilities, bounds on KPop's Bernoulli KLs, the ESTR score, |δ|'s fine bin — and every
+   sum, extremum and token-policy count.
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. the verl-parity pass and its per-sequence segment sums (`kernels_seq`), over the same
-   staged buffers.
+2. `kernels_seq.verl_vector_pass`: the verl-parity token sums and counts, over the first pass's
+   per-token buffers, and the per-token values of verl's per-sequence sums.
 3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
    computed in a loop of their own; one sequential loop then adds the per-sequence sums in
-   token order (their bits are those of the original token-by-token walk) and scatters the
-   cells into split counts that `fold_fine` turns into the histograms once per call.
+   token order (the original ones keep the bits of the original token-by-token walk; verl's
+   ride along, no pass of their own) and scatters the cells into split counts that `fold_fine`
+   turns into the histograms once per call; KPop's exact test runs on the few candidates.
 
 Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
 |δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.
@@ -33,11 +35,11 @@ from timwatch.monitor.core.fastmath import (
     k3_rm1_r,
     order_key,
 )
-from timwatch.monitor.core.kernels_seq import VACC, close_segments, segment_pass, start_segments
+from timwatch.monitor.core.kernels_seq import VACC, start_segments, verl_vector_pass
 from timwatch.monitor.core.kernels_walk import (
     finish_sequence,
     fold_fine,
-    kpop_reject,
+    kpop_maybe,
     walk_chunk,
 )
 from timwatch.monitor.core.layout import C, F, M
@@ -46,13 +48,14 @@ __all__ = ["F", "M", "C", "core_kernel", "k3_of"]
 
 
 _CHUNK = 1024
+#: chunks of at least this many tokens are read in place (float32 or float64, any mask dtype);
+#: a shorter last chunk is staged into float64/int64 buffers: LLVM enters the first pass's
+#: 8-lane loop from 8 tokens for the staged types but only from 16 for some direct ones, and
+#: the lanes' sums must not depend on which (rows keep their bits)
+_DIRECT = 16
 _BIG = 1.7976931348623157e308
 _FASTMATH = {"reassoc", "nsz", "contract"}  # vectorised reductions; no NaN/inf assumptions
-_C_TOKENS, _C_SEQ, _C_TOK, _C_SEQR = C.tokens, C.sequences, C.tok_reject, C.seq_reject
-_F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
-_M_SEQ_ABS_L = M.seq_abs_l
-_F_TIS, _F_PD2 = F.tis_m1, F.pd2
-_C_LOW, _C_TOK2 = C.is_low, C.tok_reject2
+_C_TOKENS, _C_TOK = C.tokens, C.tok_reject
 
 
 @njit(cache=True, error_model="numpy")
@@ -72,23 +75,30 @@ def _aligned_i64(n):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
-    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
 ):  # fmt: skip
-    """Inputs are the chunk staged into 64-byte-aligned buffers: the vectorised loop then has
-    the same shape for every chunk whatever the caller's array alignment, so the reassociated
-    sums, and therefore rows, are identical for JSON, safetensors and in-memory batches."""
+    """KPop's exact test (a log and a division per token) runs only on the tokens `kpop_maybe`
+    cannot clear, after the walk (`kernels_walk._kpop_near`): this pass stores their e^π in b_kp
+    (−1 elsewhere).
+
+    Its float sums are in the order LLVM's vectorisation gives this loop (read from
+    `inspect_llvm`): 8 lanes, one accumulator each, lane l summing the chunk's tokens l, l + 8,
+    … in order; then ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)); then the remaining
+    n mod 8 tokens one by one; then added to the accumulator. Inputs are read in place (float32
+    or float64 arrays, see `engine._kernel_floats`) or, for a short last chunk, staged: both
+    give that order (`_DIRECT`), so rows are identical for JSON, safetensors and in-memory
+    batches, and the bit-identity test pins them."""
     tau, eps, dabs, ice_lo, ice_hi = params[0], params[1], params[2], params[3], params[4]
     phi, tis_c = params[5], params[6]
     ad_lo, ad_oct, ad_sub, ad_last = layouts[0], layouts[1], layouts[2], layouts[3]
-    s_lo, s_oct, s_sub, s_last = layouts[4], layouts[5], layouts[6], layouts[7]
-    h_lo, h_oct, h_sub, h_last = layouts[8], layouts[9], layouts[10], layouts[11]
     s_d = s_ad = s_d2 = s_k3 = s_rm1 = s_rm1sq = s_h = s_h2 = s_d2h = s_d4 = 0.0
     s_pd = s_sc = s_r = s_r2 = 0.0
     k_lo, k_hi = order_key(-_BIG), order_key(_BIG)
     k_ad = k_pd = k_hmax = k_d2max = order_key(0.0)
     k_dmax = k_lo
     k_dmin = k_hmin = k_d2min = k_hi
-    n_on = n_estr = n_dabs = n_ice = n_tis = n_kpop = 0
+    n_on = n_estr = n_dabs = n_ice = n_tis = 0
+    phi_half = 0.5 * phi if phi >= 1e-9 else -1.0
     for j in range(n):
         on = x_on[j] != 0
         m0 = x_mu[j]
@@ -144,7 +154,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
         n_tis += dc > tis_c
-        n_kpop += near & kpop_reject(pp, q, p, m, phi)
+        b_kp[j] = pp if near & kpop_maybe(pp, q, p, m, phi_half) else -1.0
         b_d[j] = d
         b_k3[j] = k3
         b_rm1[j] = rm1
@@ -152,8 +162,6 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         b_q[j] = q
         b_score[j] = score
         b_fb[j] = fine_index(ad, ad_lo, ad_oct, ad_sub, ad_last)
-        b_sb[j] = fine_index(score, s_lo, s_oct, s_sub, s_last)
-        b_hb[j] = fine_index(h, h_lo, h_oct, h_sub, h_last)
     fsum[0] += s_d
     fsum[1] += s_ad
     fsum[2] += s_d2
@@ -180,66 +188,30 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 0] += n_estr
     cnt[_C_TOK + 1] += n_dabs
     cnt[_C_TOK + 2] += n_ice
-    cnt[_C_TOK + 3] += n_kpop
     cnt[_C_TOK + 4] += n_tis
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-def _vector_phase_verl(  # type: ignore[no-untyped-def]
-    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w,
+@njit(cache=True, nogil=True, error_model="numpy")
+def _chunk(  # type: ignore[no-untyped-def]
+    x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext, cnt,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+    wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2, n_cols,
+    worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """The verl-parity token sums and counts, a second pass over the staged chunk (the first
-    pass's code, and so its summation order, stays as it was: rows keep their bits)."""
-    tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
-    c_tis, c_m1 = params[21], params[22]
-    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
-    n_low = n_k1 = n_k2 = n_k3 = 0
-    for j in range(n):
-        on = x_on[j] != 0
-        w = 1.0 if on else 0.0
-        d = b_d[j]
-        rm1 = b_rm1[j]
-        r = b_r[j]
-        dc = min(max(d, -20.0), 20.0)
-        q = b_q[j]
-        pp = q + q * rm1
-        near = abs(d) <= 20.0
-        pdiff = abs(pp - q) if near else 0.0
-        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
-        pw = wn * pp
-        qw = wn * q
-        wm1 = min(rm1, c_m1)
-        wt = min(r, c_tis)
-        k3 = b_k3[j]
-        s_wm1 += wm1
-        s_wm1sq += wm1 * wm1
-        s_w += w * wt
-        s_w2 += w * (wt * wt)
-        s_pd2 += pdiff * pdiff
-        s_p += pw
-        s_q += qw
-        s_p2 += pw * pp
-        s_q2 += qw * q
-        s_pq += pw * q
-        n_low += on & (dc < -tis_c)
-        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
-        n_k2 += 0.5 * dc * dc > t_k2
-        n_k3 += k3 > t_k3
-        b_w[j] = wt
-    fsum[_F_TIS] += s_wm1
-    fsum[_F_TIS + 1] += s_wm1sq
-    fsum[_F_TIS + 2] += s_w
-    fsum[_F_TIS + 3] += s_w2
-    fsum[_F_PD2] += s_pd2
-    fsum[_F_PD2 + 1] += s_p
-    fsum[_F_PD2 + 2] += s_q
-    fsum[_F_PD2 + 3] += s_p2
-    fsum[_F_PD2 + 4] += s_q2
-    fsum[_F_PD2 + 5] += s_pq
-    cnt[_C_LOW] += n_low
-    cnt[_C_TOK2 + 0] += n_k1
-    cnt[_C_TOK2 + 1] += n_k2
-    cnt[_C_TOK2 + 2] += n_k3
+    """The three passes over one chunk [c0, c1) of the inputs (x_* hold its tokens)."""
+    _vector_phase(
+        x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
+        b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
+    )  # fmt: skip
+    verl_vector_pass(
+        x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
+    )  # fmt: skip
+    walk_chunk(
+        cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
+        b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+        lb_k3, ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
+        ad_bump, s_edges, h_edges, hd_edges,
+    )  # fmt: skip
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -252,54 +224,54 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     layouts, ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """Fill the accumulators from one packed batch (see core.accumulator for the layout)."""
-    x_mu = _aligned_f64(_CHUNK)
-    x_pi = _aligned_f64(_CHUNK)
-    x_h = _aligned_f64(_CHUNK)
-    x_on = _aligned_i64(_CHUNK)
     b_d = _aligned_f64(_CHUNK)
     b_k3 = _aligned_f64(_CHUNK)
     b_rm1 = _aligned_f64(_CHUNK)
-    b_w = _aligned_f64(_CHUNK)
     b_r = _aligned_f64(_CHUNK)
+    b_wm1 = _aligned_f64(_CHUNK)
+    b_w = _aligned_f64(_CHUNK)
+    b_k2 = _aligned_f64(_CHUNK)
+    b_kp = _aligned_f64(_CHUNK)
     b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
-    b_sb = _aligned_i64(_CHUNK)
-    b_hb = _aligned_i64(_CHUNK)
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
     heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
-    cells = np.empty((3, _CHUNK), dtype=np.int64)
+    cells = np.empty((4, _CHUNK), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     for i in range(worst_score.shape[0]):
         if worst_score[i] < worst_score[wk[0]]:
             wk[0] = i
     n = mu.shape[0]
     wst = np.zeros(3, dtype=np.int64)
-    wacc = np.zeros(2, dtype=np.float64)
-    vst = np.zeros(2, dtype=np.int64)
-    vacc = np.zeros(VACC, dtype=np.float64)
-    start_segments(cu, n, vst)
+    wacc = np.zeros(VACC, dtype=np.float64)
     start_segments(cu, n, wst)
+    x_mu = _aligned_f64(_DIRECT)
+    x_pi = _aligned_f64(_DIRECT)
+    x_h = _aligned_f64(_DIRECT)
+    x_on = _aligned_i64(_DIRECT)
     for c0 in range(0, n, _CHUNK):
         c1 = min(c0 + _CHUNK, n)
-        for j in range(c1 - c0):
-            x_mu[j] = mu[c0 + j]
-            x_pi[j] = pi[c0 + j]
-            x_h[j] = ent[c0 + j]
-            x_on[j] = mask[c0 + j]
-        _vector_phase(
-            x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-            b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_sb, b_hb, layouts,
-        )  # fmt: skip
-        _vector_phase_verl(x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_w)
-        segment_pass(cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w,
-                     params, fsum, fext, cnt)  # fmt: skip
-        walk_chunk(
-            cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
-            fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-            ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
-            ad_bump, s_edges, h_edges, hd_edges,
-        )  # fmt: skip
+        if c1 - c0 >= _DIRECT:
+            _chunk(
+                mu[c0:c1], pi[c0:c1], ent[c0:c1], mask[c0:c1], cu, n, c0, c1, params, fsum, fext,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
+                hd_edges,
+            )  # fmt: skip
+        else:  # a short last chunk: staged, see _DIRECT
+            for j in range(c1 - c0):
+                x_mu[j] = mu[c0 + j]
+                x_pi[j] = pi[c0 + j]
+                x_h[j] = ent[c0 + j]
+                x_on[j] = mask[c0 + j]
+            _chunk(
+                x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
+                hd_edges,
+            )  # fmt: skip
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
     fold_fine(ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table)
-    close_segments(vacc, fsum, fext, cnt, params)

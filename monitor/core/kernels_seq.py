@@ -1,10 +1,12 @@
-"""Per-sequence statistics of the verl-parity metrics, vectorised over sequence segments.
+"""The verl-parity metrics: a vectorised pass for their token sums and counts, and the close of
+their per-sequence statistics.
 
-The fused kernel's scalar walk keeps what it always computed (its sequential per-sequence sums
-give the original rows their bits). verl's per-sequence statistics are new definitions with
-no such history, so they are summed here instead: each chunk is cut at sequence boundaries and
-every segment is one vectorised reduction over the chunk's staged buffers (reassociated sums,
-float rounding at the 1e-16 level); the running sums of a sequence cross chunks in `vacc`.
+The fused kernel's first vector pass and scalar walk keep what they always computed (their
+sums give the rows that existed at 530cb8a their bits). verl's metrics are new definitions with
+no such history: their token sums are reassociated here (float rounding at the 1e-16 level),
+and their per-sequence sums ride in the walk's sequential loop, which already goes sequence by
+sequence (`kernels_walk`), on per-token values this pass stages; `verl_close` turns a finished
+sequence's sums (`vacc`, crossing chunks) into verl's statistics.
 """
 
 from __future__ import annotations
@@ -14,15 +16,15 @@ import math
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import bits_f64, f64_bits
 from timwatch.monitor.core.layout import C, F, M
 
-__all__ = ["VACC", "close_segments", "segment_pass", "start_segments"]
+__all__ = ["VACC", "start_segments", "verl_close", "verl_vector_pass"]
 
 _FASTMATH = {"reassoc", "nsz", "contract"}
 _EXP_GUARD = 600.0  # perplexity exps: far from overflow even summed over 2^53 sequences
 _F_PPL = F.ppl_train
-_C_TOK2, _C_SEQR2, _C_WHI = C.tok_reject2, C.seq_reject2, C.seq_w_high
+_C_TOK2, _C_SEQR2, _C_WHI, _C_LOW = C.tok_reject2, C.seq_reject2, C.seq_w_high, C.is_low
+_F_TIS, _F_PD2 = F.tis_m1, F.pd2
 _M_LPD_MAX, _M_W_MAX, _M_W_DEV, _M_LPD_MIN, _M_W_MIN = (
     M.lpd_max, M.seq_w_max, M.seq_w_dev, M.lpd_min, M.seq_w_min,
 )  # fmt: skip
@@ -31,50 +33,67 @@ VACC = 11
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-def _segment(  # type: ignore[no-untyped-def]
-    j0, j1, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w, c_m1, vacc,
+def verl_vector_pass(  # type: ignore[no-untyped-def]
+    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2,
 ):  # fmt: skip
-    """Add local positions [j0, j1) of the staged chunk to `vacc` (masked-out positions carry
-    δ = 0, k3 = 0, r − 1 = 0 and are weighted out of the rest)."""
-    n = 0
-    s_l = s_k3 = s_mu = s_pi = s_wm1 = s_w = s_rm1 = s_k2 = 0.0
-    k_k2 = k_k3 = np.int64(0)  # maxima of non-negative floats on their bits (ordered alike)
-    for j in range(j0, j1):
+    """The verl-parity token sums and counts over the staged chunk, and the per-token values
+    the walk adds into their sequences' running sums: min(r − 1, C − 1), w·min(r, C) and k2
+    (masked-out positions carry δ = 0, k3 = 0, r − 1 = 0 and give 0 to all three)."""
+    tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
+    c_tis, c_m1 = params[21], params[22]
+    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
+    n_low = n_k1 = n_k2 = n_k3 = 0
+    for j in range(n):
         on = x_on[j] != 0
         w = 1.0 if on else 0.0
         d = b_d[j]
-        k3 = b_k3[j]
         rm1 = b_rm1[j]
         dc = min(max(d, -20.0), 20.0)
+        q = b_q[j]
+        pp = q + q * rm1
+        near = abs(d) <= 20.0
+        pdiff = abs(pp - q) if near else 0.0
+        wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
+        pw = wn * pp
+        qw = wn * q
+        wm1 = min(rm1, c_m1)
+        wt = min(b_r[j], c_tis)
         k2 = 0.5 * dc * dc
-        n += on
-        s_l += d
-        s_k3 += k3
-        s_mu += w * x_mu[j]
-        s_pi += w * x_pi[j]
-        s_wm1 += min(rm1, c_m1)
-        s_w += w * b_w[j]
-        s_rm1 += rm1
-        s_k2 += k2
-        kx = np.int64(f64_bits(k2))
-        k_k2 = kx if kx > k_k2 else k_k2
-        kx = np.int64(f64_bits(k3))
-        k_k3 = kx if kx > k_k3 else k_k3
-    vacc[0] += n
-    vacc[1] += s_l
-    vacc[2] += s_k3
-    vacc[3] += s_mu
-    vacc[4] += s_pi
-    vacc[5] += s_wm1
-    vacc[6] += s_w
-    vacc[7] += s_rm1
-    vacc[8] += s_k2
-    vacc[9] = max(vacc[9], bits_f64(k_k2))
-    vacc[10] = max(vacc[10], bits_f64(k_k3))
+        s_wm1 += wm1
+        s_wm1sq += wm1 * wm1
+        s_w += w * wt
+        s_w2 += w * (wt * wt)
+        s_pd2 += pdiff * pdiff
+        s_p += pw
+        s_q += qw
+        s_p2 += pw * pp
+        s_q2 += qw * q
+        s_pq += pw * q
+        n_low += on & (dc < -tis_c)
+        n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
+        n_k2 += k2 > t_k2
+        n_k3 += b_k3[j] > t_k3
+        b_wm1[j] = wm1
+        b_w[j] = w * wt
+        b_k2[j] = k2
+    fsum[_F_TIS] += s_wm1
+    fsum[_F_TIS + 1] += s_wm1sq
+    fsum[_F_TIS + 2] += s_w
+    fsum[_F_TIS + 3] += s_w2
+    fsum[_F_PD2] += s_pd2
+    fsum[_F_PD2 + 1] += s_p
+    fsum[_F_PD2 + 2] += s_q
+    fsum[_F_PD2 + 3] += s_p2
+    fsum[_F_PD2 + 4] += s_q2
+    fsum[_F_PD2 + 5] += s_pq
+    cnt[_C_LOW] += n_low
+    cnt[_C_TOK2 + 0] += n_k1
+    cnt[_C_TOK2 + 1] += n_k2
+    cnt[_C_TOK2 + 2] += n_k3
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _close(vacc, fsum, fext, cnt, params):  # type: ignore[no-untyped-def]
+def verl_close(vacc, fsum, fext, cnt, params):  # type: ignore[no-untyped-def]
     """verl's per-sequence statistics and its five sequence rejection modes for the sequence in
     `vacc` (n_s > 0), then reset `vacc`."""
     n_s = vacc[0]
@@ -122,35 +141,3 @@ def start_segments(cu, n, vst):  # type: ignore[no-untyped-def]
         s += 1
     vst[0] = s
     vst[1] = cu[s + 1] if s < nseq else n
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def segment_pass(  # type: ignore[no-untyped-def]
-    cu, n, c0, c1, vst, vacc, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w, params, fsum, fext, cnt,
-):  # fmt: skip
-    """Fold the staged chunk [c0, c1) into the per-sequence sums, closing every sequence that
-    ends inside it."""
-    nseq = cu.shape[0] - 1
-    c_m1 = params[22]
-    a = c0
-    while a < c1:
-        end = vst[1]
-        b = min(end, c1)
-        if b > a:
-            _segment(a - c0, b - c0, x_on, x_mu, x_pi, b_d, b_k3, b_rm1, b_w, c_m1, vacc)
-        a = b
-        if b == end and end < n:
-            if vacc[0] > 0:
-                _close(vacc, fsum, fext, cnt, params)
-            s = vst[0] + 1
-            while s < nseq and cu[s + 1] == end:
-                s += 1
-            vst[0] = s
-            vst[1] = cu[s + 1] if s < nseq else n
-
-
-@njit(cache=True, nogil=True, error_model="numpy")
-def close_segments(vacc, fsum, fext, cnt, params):  # type: ignore[no-untyped-def]
-    """Close the last sequence after the final chunk."""
-    if vacc[0] > 0:
-        _close(vacc, fsum, fext, cnt, params)

@@ -22,7 +22,8 @@ import math
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, log
+from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, bits_f64, f64_bits, log
+from timwatch.monitor.core.kernels_seq import verl_close
 from timwatch.monitor.core.layout import C, F, M
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "close_sequence",
     "finish_sequence",
     "fold_fine",
+    "kpop_maybe",
     "kpop_reject",
     "walk_chunk",
 ]
@@ -38,6 +40,7 @@ _C_SEQ, _C_TOK, _C_SEQR = C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
 _F_PD2 = F.pd2
+_LN2 = math.log(2.0)
 
 
 def bump_table(table: np.ndarray, edges: np.ndarray, shift: int) -> np.ndarray:
@@ -61,6 +64,77 @@ def kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
     lq = min(max(lq, LOG_P_LO), LOG_P_HI)
     lam = log((1.0 - pc) / (1.0 - qc))
     return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})
+def _kpop_near(rare, n_rare, b_kp, b_q, x_mu, x_pi, x_on, cnt, phi):  # type: ignore[no-untyped-def]
+    """`kpop_reject` of the chunk's KPop candidates (b_kp = e^π ≥ 0, |δ| ≤ 20) with the first
+    vector pass's fast-math flags: the same expression under the same flags, so the decision
+    that pass used to take itself."""
+    n_kpop = 0
+    for i in range(n_rare):
+        j = rare[i]
+        pp = b_kp[j]
+        if pp >= 0.0:
+            on = x_on[j] != 0
+            p = x_pi[j] if on else -1.0
+            m = x_mu[j] if on else -1.0
+            n_kpop += kpop_reject(pp, b_q[j], p, m, phi)
+    cnt[_C_TOK + 3] += n_kpop
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi):  # type: ignore[no-untyped-def]
+    """The chunk's |δ| > 20 tokens, in token order: probabilities from e^π itself (the vector
+    passes skipped them), added after the chunk's vector sums, as before."""
+    for i in range(n_rare):
+        j = rare[i]
+        if abs(b_d[j]) > 20.0:
+            mu = np.float64(x_mu[j])
+            pi = np.float64(x_pi[j])
+            q = math.exp(mu)
+            ep = math.exp(pi)
+            pdiff = abs(ep - q)
+            fsum[10] += pdiff
+            fext[1] = max(fext[1], pdiff)
+            cnt[_C_TOK + 3] += kpop_reject(ep, q, pi, mu, phi)
+            fsum[_F_PD2] += pdiff * pdiff
+            fsum[_F_PD2 + 1] += ep
+            fsum[_F_PD2 + 2] += q
+            fsum[_F_PD2 + 3] += ep * ep
+            fsum[_F_PD2 + 4] += q * q
+            fsum[_F_PD2 + 5] += ep * q
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def _log2_floor(x):  # type: ignore[no-untyped-def]
+    """⌊log2 x⌋ of a positive normal float, from its exponent bits (exact, as a float)."""
+    e = bits_f64((f64_bits(x) >> np.uint64(52)) | np.uint64(0x4330000000000000))
+    return e - 4503599627371520.0 - 1023.0
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_maybe(p, q, lp, lq, phi_half):  # type: ignore[no-untyped-def]
+    """False only where `kpop_reject` is False for certain, without its log and division: each
+    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass φ/2 (φ/2
+    of room is left for the rounding of the exact test, ~1e-14 absolute):
+
+    * χ²: D(a‖b) ≤ (a − b)²/(b(1 − b)) (tight for moderate probabilities);
+    * exponents: with λ = log((1 − p)/(1 − q)) as in `kpop_reject`, log2 of each side lies in
+      [e, e + 1) of its exponent e, so ±λ ≤ (±(e₁ − e₂) + 1)·ln 2 (tight near 0 and 1, where
+      the χ² bound is loose), and the other term of each KL is exact already (p·(lp − lq)).
+
+    `phi_half` = −1 makes every token a candidate (φ too small for the bounds to help)."""
+    pc = min(max(p, 1e-8), 1.0 - 1e-8)
+    qc = min(max(q, 1e-8), 1.0 - 1e-8)
+    lp = min(max(lp, LOG_P_LO), LOG_P_HI)
+    lq = min(max(lq, LOG_P_LO), LOG_P_HI)
+    g = pc - qc
+    chi2 = g * g > phi_half * min(qc * (1.0 - qc), pc * (1.0 - pc))
+    de = _log2_floor(1.0 - pc) - _log2_floor(1.0 - qc)
+    ub_a = pc * (lp - lq) + (1.0 - pc) * ((de + 1.0) * _LN2)
+    ub_b = qc * (lq - lp) + (1.0 - qc) * ((1.0 - de) * _LN2)
+    return chi2 & (max(ub_a, ub_b) > phi_half)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -100,26 +174,31 @@ def close_sequence(  # type: ignore[no-untyped-def]
 def finish_sequence(  # type: ignore[no-untyped-def]
     wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
 ):  # fmt: skip
-    """Close the running sequence if it has masked tokens, and reset the running sums."""
+    """Close the running sequence if it has masked tokens (its original statistics, then verl's
+    on the same L and Σk3), and reset the running sums."""
     if wst[2] > 0:
         close_sequence(
-            wst[2], wacc[0], wacc[1], fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
+            wst[2], wacc[1], wacc[2], fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params
         )  # fmt: skip
+        wacc[0] = wst[2]
+        verl_close(wacc, fsum, fext, cnt, params)
     wst[2] = 0
-    wacc[0] = 0.0
-    wacc[1] = 0.0
+    wacc[:] = 0.0
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
-    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_sb, b_hb, params,
-    fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+    cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
+    b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
-    sums (wst = (sequence, its end, masked tokens so far), wacc = (L, Σk3)), closing every
-    sequence that ends inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
+    """Everything of the staged chunk [c0, c1) the vector passes leave (the rare tokens, listed
+    by the sequential loop and finished once per chunk by `_kpop_near` and `_far`): the running
+    sequence
+    sums (wst = (sequence, its end, masked tokens so far), wacc = `kernels_seq.VACC`'s running
+    sums: L and Σk3 of the original statistics, and verl's), closing every sequence that ends
+    inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
     probabilities; the top-k (wk[0] is its minimal slot).
 
     ad2[2·b + u] counts the tokens of fine |δ| bin b that are (u = 1) or are not above the
@@ -134,22 +213,6 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     tau, eps, phi = params[0], params[1], params[5]
     n_cells = heat2.shape[0] // 2
     m = c1 - c0
-    for j in range(m):
-        if abs(b_d[j]) > 20.0:  # rare: probabilities need e^π itself (the vector phase skipped)
-            mu = x_mu[j]
-            pi = x_pi[j]
-            q = math.exp(mu)
-            ep = math.exp(pi)
-            pdiff = abs(ep - q)
-            fsum[10] += pdiff
-            fext[1] = max(fext[1], pdiff)
-            cnt[_C_TOK + 3] += kpop_reject(ep, q, pi, mu, phi)
-            fsum[_F_PD2] += pdiff * pdiff
-            fsum[_F_PD2 + 1] += ep
-            fsum[_F_PD2 + 2] += q
-            fsum[_F_PD2 + 3] += ep * ep
-            fsum[_F_PD2 + 4] += q * q
-            fsum[_F_PD2 + 5] += ep * q
     k_ad = cells[0]
     k_s = cells[1]
     k_h = cells[2]
@@ -173,6 +236,8 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         c += np.int64(x > s8) + (x > s9) + (x > s10) + (x > s11) + (x > s12) + (x > s13)
         k_s[j] = c + (x > s14) + (x > s15) + (x > s16)
     nseq = cu.shape[0] - 1
+    rare = cells[3]
+    n_rare = 0
     wmin = wk[0]
     thr = worst_score[wmin]
     a = c0
@@ -180,16 +245,33 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         end = wst[1]
         b = min(end, c1)
         n_s = wst[2]
-        big_l = wacc[0]
-        k3_s = wacc[1]
+        big_l = wacc[1]
+        k3_s = wacc[2]
+        s_mu, s_pi, s_wm1, s_w, s_rm1, s_k2 = wacc[3], wacc[4], wacc[5], wacc[6], wacc[7], wacc[8]
+        m_k2, m_k3 = wacc[9], wacc[10]
         for j in range(a - c0, b - c0):
             on = x_on[j] != 0
             n_s += on
+            k3 = b_k3[j]
+            k2 = b_k2[j]
             big_l += b_d[j]
-            k3_s += b_k3[j]
+            k3_s += k3
+            s_mu += np.float64(x_mu[j]) if on else 0.0
+            s_pi += np.float64(x_pi[j]) if on else 0.0
+            s_wm1 += b_wm1[j]
+            s_w += b_w[j]
+            s_rm1 += b_rm1[j]
+            s_k2 += k2
+            m_k2 = max(m_k2, k2)
+            m_k3 = max(m_k3, k3)
             ad2[k_ad[j]] += on
             prom_s[k_s[j]] += on
             heat2[k_h[j]] += on
+            d = b_d[j]
+            kp = b_kp[j]
+            if kp >= 0.0 or abs(d) > 20.0:  # rare: a KPop candidate, or |δ| > 20
+                rare[n_rare] = j
+                n_rare += 1
             score = b_score[j]
             if on and score > thr:
                 worst_score[wmin] = score
@@ -199,8 +281,10 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
                         wmin = i
                 thr = worst_score[wmin]
         wst[2] = n_s
-        wacc[0] = big_l
-        wacc[1] = k3_s
+        wacc[1] = big_l
+        wacc[2] = k3_s
+        wacc[3], wacc[4], wacc[5], wacc[6], wacc[7], wacc[8] = s_mu, s_pi, s_wm1, s_w, s_rm1, s_k2
+        wacc[9], wacc[10] = m_k2, m_k3
         a = b
         if b == end and end < n:
             finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
@@ -210,6 +294,8 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
             wst[0] = s
             wst[1] = cu[s + 1] if s < nseq else n
     wk[0] = wmin
+    _kpop_near(rare, n_rare, b_kp, b_q, x_mu, x_pi, x_on, cnt, phi)
+    _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -14,6 +14,7 @@ engine), on the batches built by this checkout's `tests/helpers/batches.py`.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import math
@@ -181,6 +182,54 @@ def rows_at(rev: str) -> dict[str, Any]:
         raise RuntimeError(f"the engine at {rev} failed:\n{proc.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(proc.stdout)
     return result
+
+
+def fields_at(rev: str) -> dict[str, Any]:
+    """What a row and an accumulator state held at git revision `rev`, read from that revision's
+    own definitions (`git show`, parsed, not imported): the `MetricRow` and `Accumulator` fields,
+    the lengths of the fsum/fext/cnt vectors (`layout.F/M/C.size`), the policy names and the
+    `PolicyParams` fields."""
+
+    def tree(path: str) -> ast.Module:
+        text = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{path}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        return ast.parse(text)
+
+    def cls(mod: ast.Module, name: str) -> ast.ClassDef:
+        return next(n for n in mod.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+    def annotated(mod: ast.Module, name: str) -> tuple[str, ...]:
+        body = cls(mod, name).body
+        return tuple(s.target.id for s in body if isinstance(s, ast.AnnAssign)
+                     and isinstance(s.target, ast.Name))  # fmt: skip
+
+    def constant(body: list[ast.stmt], name: str) -> Any:
+        for s in body:
+            if isinstance(s, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == name for t in s.targets
+            ):
+                return ast.literal_eval(s.value)
+        raise KeyError(name)
+
+    layout = tree("monitor/core/layout.py")
+    masks = tree("monitor/core/masks.py")
+    token = constant(masks.body, "TOKEN_POLICIES")
+    sequence = constant(masks.body, "SEQUENCE_POLICIES")
+    return {
+        "row": annotated(tree("monitor/core/row.py"), "MetricRow"),
+        "state": annotated(tree("monitor/core/accumulator.py"), "Accumulator"),
+        "sizes": {
+            v: constant(cls(layout, c).body, "size")
+            for c, v in (("F", "fsum"), ("M", "fext"), ("C", "cnt"))
+        },  # fmt: skip
+        "policies": tuple(token) + tuple(sequence),
+        "sequence_policies": tuple(sequence),
+        "params": annotated(masks, "PolicyParams"),
+    }
 
 
 def main() -> None:
