@@ -2,7 +2,7 @@
 
 The answer is the stand-in's (`benchmarks/sglang_standin.py`, SGLang's compact orjson bytes,
 ``return_logprob`` without top-k). Timed, best of 7 repeats: the client's bytes and the capture
-(`relay.answer_parts` and the capture it returns: reading the log-probs, building the held
+(`answers.answer_parts` and the capture it returns: reading the log-probs, building the held
 record, adding it to a `CaptureStore`), each answer with a fresh id; and, for a client that did
 not ask for log-probs, cutting what the proxy added out of the answer (`fastwire.restore`,
 on the response path). `proxy_throughput.py` measures the whole request through a real proxy.
@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sglang_standin as standin  # noqa: E402
 
+from timwatch.sidecar.proxy.answers import Capturer, answer_parts  # noqa: E402
 from timwatch.sidecar.proxy.capture import CaptureStore  # noqa: E402
 from timwatch.sidecar.proxy.fastwire import restore  # noqa: E402
-from timwatch.sidecar.proxy.relay import Capturer, answer_parts  # noqa: E402
 from timwatch.sidecar.proxy.sglang_wire import plan_request  # noqa: E402
 
 

@@ -1,9 +1,9 @@
-"""Capturing ``/generate`` answers and streams while relaying them to the client.
+"""Capturing ``/generate`` streams while relaying them to the client.
 
-Each answer or stream chunk is first read on its bytes (`proxy.fastwire`); whatever that path
-refuses (batch answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
-(`proxy.sglang_wire`, whole-JSON parse). Both give the client the same bytes. In a stream, a
-sample stays on the path its first chunk took.
+Each stream chunk is first read on its bytes (`proxy.fastwire`); whatever that path refuses
+(batch answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
+(`proxy.sglang_wire`, whole-JSON parse). Both give the client the same bytes. A sample stays
+on the path its first chunk took. Non-streamed answers: `proxy.answers`.
 
 Streams are cut into ``data: ...\\n\\n`` frames as bytes arrive, searching only the bytes not
 searched yet, and every frame complete in one read is relayed in one write.
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import numpy as np
 import orjson
 
+from timwatch.sidecar.proxy.answers import Capturer
 from timwatch.sidecar.proxy.fastwire import (
     MAX_TRIPLE,
     MIN_TRIPLE,
@@ -27,7 +27,6 @@ from timwatch.sidecar.proxy.fastwire import (
     restore,
     stream_index,
 )
-from timwatch.sidecar.proxy.records import HeldRecord
 from timwatch.sidecar.proxy.scan import KIND_DELTA, KIND_OTHER, scan_frames
 from timwatch.sidecar.proxy.sglang_wire import (
     RequestPlan,
@@ -36,114 +35,14 @@ from timwatch.sidecar.proxy.sglang_wire import (
     dumps,
     is_finished,
     loads,
-    outputs_of,
 )
 
-__all__ = [
-    "Capturer",
-    "StreamReads",
-    "answer_parts",
-    "capture_answer",
-    "relay_stream",
-    "stream_capture",
-]
+__all__ = ["StreamReads", "relay_stream", "stream_capture"]
 
 log = logging.getLogger(__name__)
 
 # Stream chunks up to this size are read by `scan.scan_frames`, larger ones on their own.
 _SMALL_FRAME = 4096
-
-
-class Capturer:
-    """Where finished samples go: the proxy's commit, its counters and the vocabulary size."""
-
-    def __init__(
-        self,
-        commit: Callable[[HeldRecord], None],
-        counters: dict[str, int],
-        vocab_size: int | None,
-    ) -> None:
-        self.commit = commit
-        self.counters = counters
-        self.vocab_size = vocab_size
-
-    def wire_error(self, what: str, exc: Exception) -> None:
-        self.counters["wire_errors"] += 1
-        log.warning("%s not captured: %s", what, exc)
-
-    def fallback(self, plan: RequestPlan, idx: int) -> list[int] | None:
-        prompts = plan.client_input_ids
-        return prompts[plan.prompt_index(idx)] if prompts else None
-
-    def commit_state(
-        self, sample: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int
-    ) -> None:
-        record = sample.record(
-            out["meta_info"], fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
-        )
-        self.commit(HeldRecord.pack(record))
-
-
-def capture_answer(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
-    """Capture every finished sample of a non-streamed answer; return the client's bytes."""
-    client, later = answer_parts(cap, plan, content)
-    if later is not None:
-        later()
-    return client
-
-
-def answer_parts(
-    cap: Capturer, plan: RequestPlan, content: bytes
-) -> tuple[bytes, Callable[[], None] | None]:
-    """The client's bytes of a non-streamed answer, and the capture still to run (None if it
-    already ran): the proxy sends the bytes first, so capturing adds nothing to the latency."""
-    if not content.startswith(b"{"):
-        return _answer_objects(cap, plan, content), None
-    try:
-        client = restore(content, plan, 0) if plan.changed else content
-        last = finished(content)
-    except NotFast:
-        return _answer_objects(cap, plan, content), None
-    if not last:
-        return client, None
-
-    def capture() -> None:
-        sample = FastSample()
-        try:
-            sample.take_answer(content)
-            record = sample.record(
-                content, fallback_prompt=cap.fallback(plan, 0), vocab_size=cap.vocab_size
-            )
-        except NotFast:
-            _answer_objects(cap, plan, content)
-        except (WireError, ValueError) as exc:
-            cap.wire_error("answer 0", exc)
-        else:
-            cap.commit(record)
-
-    return client, capture
-
-
-def _answer_objects(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
-    try:
-        answer = loads(content)
-        outputs = outputs_of(answer)
-    except ValueError as exc:
-        cap.counters["wire_errors"] += 1
-        log.warning("unparseable /generate answer passed through: %s", exc)
-        return content
-    for idx, out in enumerate(outputs):
-        if not isinstance(out, dict):
-            continue
-        try:
-            if is_finished(out):
-                sample = SampleState()
-                sample.feed(out, stream=False)
-                cap.commit_state(sample, out, plan, idx)
-        except (WireError, ValueError) as exc:
-            cap.wire_error(f"answer {idx}", exc)
-        plan.restore(out, idx)
-    return dumps(answer) if plan.changed else content
 
 
 class _Stream:

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from timwatch.sidecar.proxy.answers import Capturer, answer_parts
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
 from timwatch.sidecar.proxy.forward import (
     ALL_METHODS,
@@ -45,7 +46,7 @@ from timwatch.sidecar.proxy.numparse import warm_up
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from timwatch.sidecar.proxy.rawrelay import ProxyApp
 from timwatch.sidecar.proxy.records import HeldRecord
-from timwatch.sidecar.proxy.relay import Capturer, answer_parts, relay_stream, stream_capture
+from timwatch.sidecar.proxy.relay import relay_stream, stream_capture
 from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
 from timwatch.sidecar.proxy.upstream import Upstream
 

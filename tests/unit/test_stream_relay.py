@@ -19,8 +19,9 @@ import pytest
 
 import tests.helpers.fake_sglang as fake
 from timwatch.sidecar.proxy import relay
+from timwatch.sidecar.proxy.answers import Capturer
 from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
-from timwatch.sidecar.proxy.relay import Capturer, relay_stream
+from timwatch.sidecar.proxy.relay import relay_stream
 from timwatch.sidecar.proxy.sglang_wire import SampleState, plan_request
 
 

@@ -1,0 +1,112 @@
+"""Capturing non-streamed ``/generate`` answers: the client's bytes first, the capture after.
+
+An answer is first read on its bytes (`proxy.fastwire`); whatever that path refuses (batch
+answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
+(`proxy.sglang_wire`, whole-JSON parse). Both give the client the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore
+from timwatch.sidecar.proxy.records import HeldRecord
+from timwatch.sidecar.proxy.sglang_wire import (
+    RequestPlan,
+    SampleState,
+    WireError,
+    dumps,
+    is_finished,
+    loads,
+    outputs_of,
+)
+
+__all__ = ["Capturer", "answer_parts"]
+
+log = logging.getLogger(__name__)
+
+
+class Capturer:
+    """Where finished samples go: the proxy's commit, its counters and the vocabulary size."""
+
+    def __init__(
+        self,
+        commit: Callable[[HeldRecord], None],
+        counters: dict[str, int],
+        vocab_size: int | None,
+    ) -> None:
+        self.commit = commit
+        self.counters = counters
+        self.vocab_size = vocab_size
+
+    def wire_error(self, what: str, exc: Exception) -> None:
+        self.counters["wire_errors"] += 1
+        log.warning("%s not captured: %s", what, exc)
+
+    def fallback(self, plan: RequestPlan, idx: int) -> list[int] | None:
+        prompts = plan.client_input_ids
+        return prompts[plan.prompt_index(idx)] if prompts else None
+
+    def commit_state(
+        self, sample: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int
+    ) -> None:
+        record = sample.record(
+            out["meta_info"], fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
+        )
+        self.commit(HeldRecord.pack(record))
+
+
+def answer_parts(
+    cap: Capturer, plan: RequestPlan, content: bytes
+) -> tuple[bytes, Callable[[], None] | None]:
+    """The client's bytes of a non-streamed answer, and the capture still to run (None if it
+    already ran): the proxy sends the bytes first, so capturing adds nothing to the latency."""
+    if not content.startswith(b"{"):
+        return _answer_objects(cap, plan, content), None
+    try:
+        client = restore(content, plan, 0) if plan.changed else content
+        last = finished(content)
+    except NotFast:
+        return _answer_objects(cap, plan, content), None
+    if not last:
+        return client, None
+
+    def capture() -> None:
+        sample = FastSample()
+        try:
+            sample.take_answer(content)
+            record = sample.record(
+                content, fallback_prompt=cap.fallback(plan, 0), vocab_size=cap.vocab_size
+            )
+        except NotFast:
+            _answer_objects(cap, plan, content)
+        except (WireError, ValueError) as exc:
+            cap.wire_error("answer 0", exc)
+        else:
+            cap.commit(record)
+
+    return client, capture
+
+
+def _answer_objects(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
+    try:
+        answer = loads(content)
+        outputs = outputs_of(answer)
+    except ValueError as exc:
+        cap.counters["wire_errors"] += 1
+        log.warning("unparseable /generate answer passed through: %s", exc)
+        return content
+    for idx, out in enumerate(outputs):
+        if not isinstance(out, dict):
+            continue
+        try:
+            if is_finished(out):
+                sample = SampleState()
+                sample.feed(out, stream=False)
+                cap.commit_state(sample, out, plan, idx)
+        except (WireError, ValueError) as exc:
+            cap.wire_error(f"answer {idx}", exc)
+        plan.restore(out, idx)
+    return dumps(answer) if plan.changed else content
