@@ -137,6 +137,14 @@ def _run_load(s: Scaleout, started: float) -> None:
     victim = s.replicas[VICTIM]
     time.sleep(max(0.0, started + KILL_AT_S - time.monotonic()))
 
+    batches = f'timwatch_batches_total{{instance="{victim.url[7:]}"}}'
+
+    def scraped() -> tuple[bool, Any]:
+        # the reset check below needs a batch count Prometheus took from this process (a scrape
+        # of a loaded replica can miss its 1 s timeout)
+        got = s.query(s.prom, batches)
+        return bool(got), got
+
     def victim_busy() -> tuple[bool, Any]:
         # mid-load: right after it answered a new batch (HAProxy may have taken it out for a
         # while after a 503 of a busy store: wait until it serves again)
@@ -144,6 +152,7 @@ def _run_load(s: Scaleout, started: float) -> None:
                   and a.at > time.monotonic() - 0.5]  # fmt: skip
         return bool(recent), len(recent)
 
+    wait_for(scraped, 30.0, interval=0.5)
     wait_for(victim_busy, 30.0, interval=0.05)
     victim.kill9()
     s.killed_at = time.monotonic()
@@ -151,7 +160,7 @@ def _run_load(s: Scaleout, started: float) -> None:
     time.sleep(RESTART_AFTER_S)
     victim.start()
     # what Prometheus last scraped from the killed process, per run
-    for r in s.query(s.prom, f'timwatch_batches_total{{instance="{victim.url[7:]}"}}', wall_kill):
+    for r in s.query(s.prom, batches, wall_kill):
         s.victim_last_scrape[r["metric"]["run"]] = float(r["value"][1])
 
     def alerts() -> tuple[bool, Any]:
