@@ -17,7 +17,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
+from timwatch.sidecar.proxy.scan import byte_at, id_null_at, scan_ints, scan_rows, scan_triples
 
 __all__ = ["triples_f64", "POW5", "Q_MIN", "Q_MAX", "warm_up"]
 
@@ -226,11 +226,6 @@ def _number(buf: np.ndarray, i: int, table: np.ndarray) -> tuple[Bits, int]:
     return _bits(w, q, neg and (is_float or w != _U0), table), i
 
 
-@nb.njit(cache=True, nogil=True, inline="always")
-def _at(buf: np.ndarray, i: int) -> int:
-    return int(buf[i]) if i < buf.shape[0] else 0
-
-
 @nb.njit(cache=True, nogil=True)
 def triples_f64(
     buf: np.ndarray, pos: int, table: np.ndarray
@@ -242,38 +237,24 @@ def triples_f64(
     ids = np.empty(cap, dtype=np.int64)
     bits = np.empty(cap, dtype=np.int64)
     i, count = pos, 0
-    if _at(buf, i) != _LB:
+    if byte_at(buf, i) != _LB:
         return -1, i, ids[:0], bits.view(np.float64)[:0]
     i += 1
-    if _at(buf, i) == _RB:
+    if byte_at(buf, i) == _RB:
         return 0, i + 1, ids[:0], bits.view(np.float64)[:0]
     while True:
-        if _at(buf, i) != _LB:
+        if byte_at(buf, i) != _LB:
             return -1, i, ids[:0], bits.view(np.float64)[:0]
         value, i = _number(buf, i + 1, table)
-        if value == _REFUSED or _at(buf, i) != _COMMA:
+        if value == _REFUSED or byte_at(buf, i) != _COMMA:
             return -1, i, ids[:0], bits.view(np.float64)[:0]
-        i += 1
-        tid, j = 0, i
-        while j < buf.shape[0] and 48 <= buf[j] <= 57 and j - i < 18:
-            tid = tid * 10 + int(buf[j] - 48)
-            j += 1
-        if j == i or _at(buf, j) != _COMMA:
-            return -1, i, ids[:0], bits.view(np.float64)[:0]
-        i = j + 1
-        if not (
-            _at(buf, i) == 110
-            and _at(buf, i + 1) == 117
-            and _at(buf, i + 2) == 108
-            and _at(buf, i + 3) == 108
-            and _at(buf, i + 4) == _RB
-        ):
+        tid, i = id_null_at(buf, i + 1)
+        if tid < 0:
             return -1, i, ids[:0], bits.view(np.float64)[:0]
         ids[count] = tid
         bits[count] = value
         count += 1
-        i += 5
-        c = _at(buf, i)
+        c = byte_at(buf, i)
         if c == _COMMA:
             i += 1
         elif c == _RB:

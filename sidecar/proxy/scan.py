@@ -21,13 +21,13 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-__all__ = ["scan_triples", "scan_rows", "scan_ints", "scan_frames"]
+__all__ = ["byte_at", "id_null_at", "scan_triples", "scan_rows", "scan_ints", "scan_frames"]
 
 _LB, _RB, _COMMA = 91, 93, 44
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
-def _at(buf: np.ndarray, i: int) -> int:
+def byte_at(buf: np.ndarray, i: int) -> int:
     return int(buf[i]) if i < buf.shape[0] else 0
 
 
@@ -43,19 +43,41 @@ def _number_end(buf: np.ndarray, i: int) -> int:
     return j if j > i else -1
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def id_null_at(buf: np.ndarray, i: int) -> tuple[int, int]:
+    """The ``id,null]`` that ends a log-prob triple, at ``buf[i]``: ``(id, the index after
+    the ']')``, or ``(-1, where it failed)``."""
+    value, j = 0, i
+    while j < buf.shape[0] and 48 <= buf[j] <= 57 and j - i < 18:
+        value = value * 10 + int(buf[j] - 48)
+        j += 1
+    if j == i or byte_at(buf, j) != _COMMA:
+        return -1, i
+    i = j + 1
+    if not (
+        byte_at(buf, i) == 110
+        and byte_at(buf, i + 1) == 117
+        and byte_at(buf, i + 2) == 108
+        and byte_at(buf, i + 3) == 108
+        and byte_at(buf, i + 4) == _RB
+    ):
+        return -1, i
+    return value, i + 5
+
+
 @nb.njit(cache=True, nogil=True)
 def _list_of_triples(
     buf: np.ndarray, i: int, ids: np.ndarray, count: int, out: np.ndarray, f: int
 ) -> tuple[int, int, int]:
     """Parse one ``[[lp,id,null],...]`` at ``buf[i]``; returns (new count, end, f), count -1 on
     refusal. Log-prob tokens are appended to ``out`` at ``f``, each followed by a comma."""
-    if _at(buf, i) != _LB:
+    if byte_at(buf, i) != _LB:
         return -1, i, f
     i += 1
-    if _at(buf, i) == _RB:
+    if byte_at(buf, i) == _RB:
         return count, i + 1, f
     while True:
-        if _at(buf, i) != _LB:
+        if byte_at(buf, i) != _LB:
             return -1, i, f
         i += 1
         j = _number_end(buf, i)
@@ -67,28 +89,14 @@ def _list_of_triples(
         out[f] = _COMMA
         f += 1
         i = j
-        if _at(buf, i) != _COMMA:
+        if byte_at(buf, i) != _COMMA:
             return -1, i, f
-        i += 1
-        value, j = 0, i
-        while j < buf.shape[0] and 48 <= buf[j] <= 57 and j - i < 18:
-            value = value * 10 + int(buf[j] - 48)
-            j += 1
-        if j == i or _at(buf, j) != _COMMA:
+        value, i = id_null_at(buf, i + 1)
+        if value < 0:
             return -1, i, f
         ids[count] = value
         count += 1
-        i = j + 1
-        if not (
-            _at(buf, i) == 110
-            and _at(buf, i + 1) == 117
-            and _at(buf, i + 2) == 108
-            and _at(buf, i + 3) == 108
-            and _at(buf, i + 4) == _RB
-        ):
-            return -1, i, f
-        i += 5
-        c = _at(buf, i)
+        c = byte_at(buf, i)
         if c == _COMMA:
             i += 1
         elif c == _RB:
@@ -126,10 +134,10 @@ def scan_rows(buf: np.ndarray, pos: int) -> tuple[int, int, int, np.ndarray]:
     refused (a null row, rows of different lengths, anything but the triple shape)."""
     ids = np.empty((buf.shape[0] - pos) // 10 + 1, dtype=np.int64)
     out = np.empty(buf.shape[0] - pos + 2, dtype=np.uint8)
-    if _at(buf, pos) != _LB:
+    if byte_at(buf, pos) != _LB:
         return -1, 0, pos, out[:0]
     i, f, rows, total, k = pos + 1, 1, 0, 0, -1
-    if _at(buf, i) == _RB:
+    if byte_at(buf, i) == _RB:
         return 0, 0, i + 1, out[: _close(out, f)]
     while True:
         before = total
@@ -141,7 +149,7 @@ def scan_rows(buf: np.ndarray, pos: int) -> tuple[int, int, int, np.ndarray]:
         elif total - before != k:
             return -1, 0, i, out[:0]
         rows += 1
-        c = _at(buf, i)
+        c = byte_at(buf, i)
         if c == _COMMA:
             i += 1
         elif c == _RB:
@@ -154,10 +162,10 @@ def scan_rows(buf: np.ndarray, pos: int) -> tuple[int, int, int, np.ndarray]:
 def scan_ints(buf: np.ndarray, pos: int) -> tuple[int, int, np.ndarray]:
     """``(count, end, values)`` for a list of non-negative ints at ``buf[pos]``; -1: refused."""
     vals = np.empty((buf.shape[0] - pos) // 2 + 1, dtype=np.int64)
-    if _at(buf, pos) != _LB:
+    if byte_at(buf, pos) != _LB:
         return -1, pos, vals[:0]
     i, count = pos + 1, 0
-    if _at(buf, i) == _RB:
+    if byte_at(buf, i) == _RB:
         return 0, i + 1, vals[:0]
     while True:
         value, j = 0, i
@@ -168,7 +176,7 @@ def scan_ints(buf: np.ndarray, pos: int) -> tuple[int, int, np.ndarray]:
             return -1, i, vals[:0]
         vals[count] = value
         count += 1
-        c = _at(buf, j)
+        c = byte_at(buf, j)
         if c == _COMMA:
             i = j + 1
         elif c == _RB:
@@ -307,7 +315,7 @@ def _scan_frames(
             continue
         if end - fs > small:
             continue
-        if top or k_finish < 0 or _at(buf, k_finish) != 110 or k_total < 0 or k_list < 0:
+        if top or k_finish < 0 or byte_at(buf, k_finish) != 110 or k_total < 0 or k_list < 0:
             continue  # top-k rows, no finish_reason, the last chunk (not null), or no list
         index = 0 if k_index < 0 else _int_at(buf, k_index, end)
         total = _int_at(buf, k_total, end)
