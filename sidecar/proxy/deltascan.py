@@ -189,7 +189,7 @@ def _float_at(buf: np.ndarray, i: int, table: np.ndarray, pow10: np.ndarray) -> 
             break
         j += 1
     k = digits - frac
-    lead_ok = buf[first] != 48 or frac == 1  # no leading zero before the point
+    lead_ok = byte_at(buf, first) != 48 or frac == 1  # no leading zero before the point
     if frac > 0 and 0 < k <= 22 and digits <= 18 and w < nb.uint64(1 << 53) and lead_ok:
         c = byte_at(buf, j)
         if c != 101 and c != 69:
