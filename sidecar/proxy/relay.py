@@ -42,9 +42,11 @@ __all__ = ["StreamReads", "relay_stream", "stream_capture"]
 
 log = logging.getLogger(__name__)
 
-# Stream chunks up to this size are read by `scan.scan_frames`, larger ones on their own.
+# Stream chunks up to this size are read by the compiled scans (`_read_small`), larger ones on
+# their own.
 _SMALL_FRAME = 4096
-# Reads of small deltas alone are read by `deltascan.scan_deltas` (False: by `scan` alone).
+# Runs of one sample's small deltas are read by `deltascan.scan_deltas` first (False: every
+# small frame by `scan.scan_frames`, as before it; kept for A/B measurements).
 FAST_DELTAS = True
 
 
@@ -95,7 +97,8 @@ class _Stream:
         return True
 
     def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
-        """An unfinished chunk `scan.scan_frames` read (an unchanged request's stream)."""
+        """An unfinished chunk a compiled scan read (`_read_small`: an unchanged request's
+        stream)."""
         if idx in self.on_objects:
             return  # cannot happen with SGLang: its samples do not change shape mid-stream
         sample = self.fast.get(idx)
@@ -184,7 +187,7 @@ async def relay_stream(
 
     When the proxy changed nothing in the request the client gets the upstream's bytes as they
     come, each read passed on at once; the frames are cut out and read beside it, the small
-    delta chunks of a whole read in one compiled pass (`scan.scan_frames`). Otherwise each
+    delta chunks of a whole read in compiled passes (`_read_small`). Otherwise each
     frame is restored on its own and every frame complete in one read goes out in one write."""
     stream = _Stream(cap, plan)
     if not plan.changed:
