@@ -4,13 +4,10 @@
 small lists, and a cumulative stream repeats all of them in every chunk. This module works on the
 compact JSON SGLang writes instead:
 
-* A key is found by its bytes ``"name":``. Inside a JSON string every ``"`` is escaped, so
-  ``name":`` cannot occur in ``text`` or any other string: the match is the key itself.
-* The log-prob values (``output_token_logprobs``, the top-k rows, ``prompt_token_ids``, ...) hold
-  only numbers, ``null`` and brackets when SGLang is not asked for token text, so such a value
-  ends at the first ``,"`` (next key) or ``}`` (end of ``meta_info``). A value with strings in it
-  ends up unbalanced at that cut and is refused (`NotFast`); the caller then takes the object
-  path, so this module never guesses.
+* Keys and the quote-free values after them (``output_token_logprobs``, the top-k rows,
+  ``prompt_token_ids``, ...) are found on the bytes by `proxy.keyspan`, which refuses
+  (`NotFast`) any value with a string in it; the caller then takes the object path, so this
+  module never guesses.
 * Triples ``[logprob, token_id, null]`` become one flat JSON list of numbers (brackets and the
   null texts dropped) that orjson reads into a single list, turned into arrays at once: no
   per-token Python containers, nothing for the garbage collector to trace.
@@ -28,6 +25,15 @@ import numpy as np
 import orjson
 
 from timwatch.monitor.core.errors import NotFast
+from timwatch.sidecar.proxy.keyspan import (
+    Hole,
+    _find,
+    _int_value,
+    _u8,
+    finished,
+    stream_index,
+    value_span,
+)
 from timwatch.sidecar.proxy.numparse import POW5, triples_f64
 from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows, version_runs
 from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
@@ -56,91 +62,6 @@ _BULK_KEYS = (
     b"input_top_logprobs",
     b"output_top_logprobs",
 )
-
-
-def _u8(buf: bytes) -> np.ndarray:
-    return np.frombuffer(buf, dtype=np.uint8)
-
-
-# The span of a value already read whole (by a compiled scanner, or by `value_span` with its
-# check): no quote, so no key is inside it and key searches skip it; a value starting there
-# is that value, not checked again.
-Hole = tuple[int, int] | None
-
-
-def _find(buf: bytes, pat: bytes, hole: Hole, lo: int = 0) -> int:
-    if hole is None:
-        return buf.find(pat, lo)
-    if lo < hole[0]:
-        k = buf.find(pat, lo, hole[0])
-        if k >= 0:
-            return k
-    return buf.find(pat, max(lo, hole[1]))
-
-
-def value_span(
-    buf: bytes, key: bytes, lo: int = 0, *, check: bool = True, hole: Hole = None
-) -> tuple[int, int, int] | None:
-    """``(key_start, value_start, value_end)`` of a quote-free value, None if the key is absent.
-
-    With ``check``, raises `NotFast` if the value is not bracket-balanced (it held a string).
-    ``hole``: a span known to hold no key (skipped by the search; the value if it starts there)."""
-    pat = b'"' + key + b'":'
-    k = _find(buf, pat, hole, lo)
-    if k < 0:
-        return None
-    v = k + len(pat)
-    if hole is not None and v == hole[0]:
-        after = buf[hole[1] : hole[1] + 2]
-        if after == b',"' or after[:1] == b"}":
-            return k, v, hole[1]
-    quote, brace = buf.find(b'"', v), buf.find(b"}", v)
-    if quote >= 0 and (brace < 0 or quote < brace):
-        if buf[quote - 1] != _COMMA:
-            raise NotFast(f"{key.decode()}: a string value")
-        e = quote - 1
-    elif brace >= 0:
-        e = brace
-    else:
-        raise NotFast(f"{key.decode()}: no end")
-    if check and e - v > 2:
-        arr = _u8(buf)[v:e]
-        if np.count_nonzero(arr == _LB) != np.count_nonzero(arr == _RB):
-            raise NotFast(f"{key.decode()}: not a quote-free value")
-    return k, v, e
-
-
-def finished(frame: bytes) -> bool:
-    """Whether a chunk is its sample's last (``finish_reason`` is not null)."""
-    k = frame.find(b'"finish_reason":')
-    if k < 0:
-        raise NotFast("no finish_reason")
-    c = frame[k + 16 : k + 17]
-    if c == b"n":
-        return False
-    if c in (b"{", b'"'):
-        return True
-    raise NotFast("finish_reason not compact JSON")
-
-
-def stream_index(frame: bytes) -> int:
-    span = value_span(frame, b"index", check=False)
-    if span is None:
-        return 0
-    try:
-        return int(frame[span[1] : span[2]])
-    except ValueError:
-        raise NotFast("index is not an int") from None
-
-
-def _int_value(buf: bytes, key: bytes) -> int | None:
-    span = value_span(buf, key, check=False)
-    if span is None:
-        return None
-    try:
-        return int(buf[span[1] : span[2]])
-    except ValueError:
-        raise NotFast(f"{key.decode()}: not an int") from None
 
 
 def _floats(tokens: np.ndarray, count: int) -> np.ndarray:

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from timwatch.sidecar.proxy.answers import Capturer, answer_parts
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from timwatch.sidecar.proxy.deltascan import warm_up
 from timwatch.sidecar.proxy.forward import (
     ALL_METHODS,
     DeferredCaptures,
@@ -42,7 +43,6 @@ from timwatch.sidecar.proxy.forward import (
     settle_captures,
     upstream_clients,
 )
-from timwatch.sidecar.proxy.numparse import warm_up
 from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from timwatch.sidecar.proxy.rawrelay import ProxyApp
 from timwatch.sidecar.proxy.records import HeldRecord
