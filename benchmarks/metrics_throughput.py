@@ -172,7 +172,8 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     f = [K._aligned_f64(chunk) for _ in range(10)]
     g = [K._aligned_i64(chunk)]
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    prom4 = np.zeros(KW.LANES * prom_s.shape[0], dtype=np.int64)
+    heat2 = np.zeros(KW.LANES * 2 * heat_all.size, dtype=np.int64)
     cells = np.empty((4, chunk), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     wst = np.zeros(3, dtype=np.int64)
@@ -195,7 +196,7 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
             KW.walk_chunk(
                 cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], f[4], f[9], params,
                 f[2], f[6], f[7], f[8], fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
-                lb_k3, ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+                lb_k3, ad2, prom4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
                 ad_bump, s_edges, h_edges, hd_edges,
             )  # fmt: skip
 

@@ -37,6 +37,7 @@ from timwatch.monitor.core.fastmath import (
 )
 from timwatch.monitor.core.kernels_seq import VACC, start_segments, verl_vector_pass
 from timwatch.monitor.core.kernels_walk import (
+    LANES,
     finish_sequence,
     fold_fine,
     kpop_maybe,
@@ -195,7 +196,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
 def _chunk(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext, cnt,
     b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
-    wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2, n_cols,
+    wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2, n_cols,
     worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """The three passes over one chunk [c0, c1) of the inputs (x_* hold its tokens)."""
@@ -209,7 +210,7 @@ def _chunk(  # type: ignore[no-untyped-def]
     walk_chunk(
         cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
         b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
-        lb_k3, ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
+        lb_k3, ad2, prom4, heat2, n_cols, worst_score, worst_index, wk, cells,
         ad_bump, s_edges, h_edges, hd_edges,
     )  # fmt: skip
 
@@ -236,7 +237,8 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    prom4 = np.zeros(LANES * prom_s.shape[0], dtype=np.int64)
+    heat2 = np.zeros(LANES * 2 * heat_all.size, dtype=np.int64)
     cells = np.empty((4, _CHUNK), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     for i in range(worst_score.shape[0]):
@@ -256,7 +258,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             _chunk(
                 mu[c0:c1], pi[c0:c1], ent[c0:c1], mask[c0:c1], cu, n, c0, c1, params, fsum, fext,
                 cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
-                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2,
                 heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
                 hd_edges,
             )  # fmt: skip
@@ -269,9 +271,9 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
             _chunk(
                 x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext,
                 cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
-                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2,
                 heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
                 hd_edges,
             )  # fmt: skip
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
-    fold_fine(ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table)
+    fold_fine(ad2, prom4, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table)

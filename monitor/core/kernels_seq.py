@@ -16,11 +16,13 @@ import math
 import numpy as np
 from numba import njit
 
+from timwatch.monitor.core.fastmath import from_order_key, order_key
 from timwatch.monitor.core.layout import C, F, M
 
-__all__ = ["VACC", "start_segments", "verl_close", "verl_vector_pass"]
+__all__ = ["VACC", "start_segments", "top_k", "verl_close", "verl_segment", "verl_vector_pass"]
 
 _FASTMATH = {"reassoc", "nsz", "contract"}
+_BIG = 1.7976931348623157e308
 _EXP_GUARD = 600.0  # perplexity exps: far from overflow even summed over 2^53 sequences
 _F_PPL = F.ppl_train
 _C_TOK2, _C_SEQR2, _C_WHI, _C_LOW = C.tok_reject2, C.seq_reject2, C.seq_w_high, C.is_low
@@ -90,6 +92,69 @@ def verl_vector_pass(  # type: ignore[no-untyped-def]
     cnt[_C_TOK2 + 0] += n_k1
     cnt[_C_TOK2 + 1] += n_k2
     cnt[_C_TOK2 + 2] += n_k3
+
+
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+def verl_segment(  # type: ignore[no-untyped-def]
+    j0, j1, x_mu, x_pi, x_on, b_wm1, b_w, b_rm1, b_k2, b_k3, vacc,
+):  # fmt: skip
+    """Add tokens [j0, j1) of the chunk, all of one sequence, to verl's running sums of that
+    sequence in `vacc` (reassociated: vectorised); return how many of them are masked in.
+    (Slices, read from 0: an index LLVM cannot prove non-negative keeps numba's wraparound
+    test in the loop, which then does not vectorise.)"""
+    on_, mu_, pi_ = x_on[j0:j1], x_mu[j0:j1], x_pi[j0:j1]
+    wm1_, w_, rm1_, k2_, k3_ = b_wm1[j0:j1], b_w[j0:j1], b_rm1[j0:j1], b_k2[j0:j1], b_k3[j0:j1]
+    n_on = 0
+    s_mu = s_pi = s_wm1 = s_w = s_rm1 = s_k2 = 0.0
+    k_k2 = k_k3 = order_key(0.0)
+    for j in range(j1 - j0):
+        on = on_[j] != 0
+        n_on += on
+        s_mu += np.float64(mu_[j]) if on else 0.0
+        s_pi += np.float64(pi_[j]) if on else 0.0
+        s_wm1 += wm1_[j]
+        s_w += w_[j]
+        s_rm1 += rm1_[j]
+        s_k2 += k2_[j]
+        kx = order_key(k2_[j])
+        k_k2 = kx if kx > k_k2 else k_k2
+        kx = order_key(k3_[j])
+        k_k3 = kx if kx > k_k3 else k_k3
+    vacc[3] += s_mu
+    vacc[4] += s_pi
+    vacc[5] += s_wm1
+    vacc[6] += s_w
+    vacc[7] += s_rm1
+    vacc[8] += s_k2
+    vacc[9] = max(vacc[9], from_order_key(k_k2))
+    vacc[10] = max(vacc[10], from_order_key(k_k3))
+    return n_on
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def top_k(c0, m, x_on, b_score, worst_score, worst_index, wmin):  # type: ignore[no-untyped-def]
+    """The chunk's masked tokens into the top-k by score (worst_index: their batch positions),
+    in token order: a token replaces the minimal slot `wmin` (the first minimal one) when its
+    score is strictly greater. The chunk's largest score is found first (vectorised); a chunk
+    whose scores cannot enter is not walked. Returns the new minimal slot."""
+    k_lo = order_key(-_BIG)
+    k_max = k_lo
+    for j in range(m):
+        kx = order_key(b_score[j]) if x_on[j] != 0 else k_lo
+        k_max = kx if kx > k_max else k_max
+    thr = worst_score[wmin]
+    if not from_order_key(k_max) > thr:
+        return wmin
+    for j in range(m):
+        score = b_score[j]
+        if x_on[j] != 0 and score > thr:
+            worst_score[wmin] = score
+            worst_index[wmin] = c0 + j
+            for i in range(worst_score.shape[0]):
+                if worst_score[i] < worst_score[wmin]:
+                    wmin = i
+            thr = worst_score[wmin]
+    return wmin
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
