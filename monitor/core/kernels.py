@@ -41,6 +41,7 @@ from timwatch.monitor.core.kernels_walk import (
     finish_sequence,
     fold_fine,
     kpop_maybe,
+    kpop_threshold,
     walk_chunk,
 )
 from timwatch.monitor.core.layout import C, F, M
@@ -99,7 +100,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     k_dmax = k_lo
     k_dmin = k_hmin = k_d2min = k_hi
     n_on = n_estr = n_dabs = n_ice = n_tis = 0
-    phi_half = 0.5 * phi if phi >= 1e-9 else -1.0
+    phi_lo = kpop_threshold(phi)
     for j in range(n):
         on = x_on[j] != 0
         m0 = x_mu[j]
@@ -155,7 +156,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
         n_tis += dc > tis_c
-        b_kp[j] = pp if near & kpop_maybe(pp, q, p, m, phi_half) else -1.0
+        b_kp[j] = pp if near & kpop_maybe(pp, q, p, m, phi_lo) else -1.0
         b_d[j] = d
         b_k3[j] = k3
         b_rm1[j] = rm1

@@ -34,6 +34,7 @@ __all__ = [
     "fold_fine",
     "kpop_maybe",
     "kpop_reject",
+    "kpop_threshold",
     "walk_chunk",
 ]
 
@@ -117,27 +118,35 @@ def _log2_floor(x):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", cache=True, error_model="numpy")
-def kpop_maybe(p, q, lp, lq, phi_half):  # type: ignore[no-untyped-def]
+def kpop_threshold(phi):  # type: ignore[no-untyped-def]
+    """The level `kpop_maybe`'s bounds must pass: φ less a margin (1e-9 relative and 1e-12
+    absolute) far above the rounding of the bounds and of the exact test (terms below ~40, a
+    few ulp each: ~1e-14), or −1 (every token a candidate) for φ < 1e-9."""
+    return phi * (1.0 - 1e-9) - 1e-12 if phi >= 1e-9 else -1.0
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_maybe(p, q, lp, lq, phi_lo):  # type: ignore[no-untyped-def]
     """False only where `kpop_reject` is False for certain, without its log and division: each
-    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass φ/2 (φ/2
-    of room is left for the rounding of the exact test, ~1e-14 absolute):
+    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass
+    `phi_lo` = `kpop_threshold(φ)` (φ less room for rounding):
 
     * χ²: D(a‖b) ≤ (a − b)²/(b(1 − b)) (tight for moderate probabilities);
     * exponents: with λ = log((1 − p)/(1 − q)) as in `kpop_reject`, log2 of each side lies in
       [e, e + 1) of its exponent e, so ±λ ≤ (±(e₁ − e₂) + 1)·ln 2 (tight near 0 and 1, where
       the χ² bound is loose), and the other term of each KL is exact already (p·(lp − lq)).
 
-    `phi_half` = −1 makes every token a candidate (φ too small for the bounds to help)."""
+    `phi_lo` = −1 makes every token a candidate (φ too small for the bounds to help)."""
     pc = min(max(p, 1e-8), 1.0 - 1e-8)
     qc = min(max(q, 1e-8), 1.0 - 1e-8)
     lp = min(max(lp, LOG_P_LO), LOG_P_HI)
     lq = min(max(lq, LOG_P_LO), LOG_P_HI)
     g = pc - qc
-    chi2 = g * g > phi_half * min(qc * (1.0 - qc), pc * (1.0 - pc))
+    chi2 = g * g > phi_lo * min(qc * (1.0 - qc), pc * (1.0 - pc))
     de = _log2_floor(1.0 - pc) - _log2_floor(1.0 - qc)
     ub_a = pc * (lp - lq) + (1.0 - pc) * ((de + 1.0) * _LN2)
     ub_b = qc * (lq - lp) + (1.0 - qc) * ((1.0 - de) * _LN2)
-    return chi2 & (max(ub_a, ub_b) > phi_half)
+    return chi2 & (max(ub_a, ub_b) > phi_lo)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -225,7 +234,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     for j in range(m):
         fb = b_fb[j]
         k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[fb])
-    # edges as scalars: compares only, so this loop vectorises
+    # edges as scalars: compares and selects only, so this loop vectorises
     s1, s2, s3, s4, s5, s6, s7, s8 = s_edges[0:8]
     s9, s10, s11, s12, s13, s14, s15, s16 = s_edges[8:16]
     d1, d2, d3, d4, d5 = hd_edges[1], hd_edges[2], hd_edges[3], hd_edges[4], hd_edges[5]
@@ -237,12 +246,19 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         lane = j & (LANES - 1)
         hc = np.int64(ad >= d1) + (ad >= d2) + (ad >= d3) + (ad >= d4) + (ad >= d5)
         hr = np.int64(h >= e1) + (h >= e2) + (h >= e3) + (h >= e4) + (h >= e5) + (h >= e6)
-        cell = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
-        k_h[j] = cell + lane * (2 * n_cells)
+        cell = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps)) + lane * (2 * n_cells)
+        k_h[j] = cell
+        # the count of the 16 sorted edges below x, by binary search (5 compares, not 16)
         x = b_score[j]
-        c = np.int64(x > s1) + (x > s2) + (x > s3) + (x > s4) + (x > s5) + (x > s6) + (x > s7)
-        c += np.int64(x > s8) + (x > s9) + (x > s10) + (x > s11) + (x > s12) + (x > s13)
-        k_s[j] = c + (x > s14) + (x > s15) + (x > s16) + lane * n_prom
+        m1 = x > s8
+        m2 = x > (s12 if m1 else s4)
+        p = (s14 if m2 else s10) if m1 else (s6 if m2 else s2)
+        m3 = x > p
+        p_hi = (s15 if m3 else s13) if m2 else (s11 if m3 else s9)
+        p_lo = (s7 if m3 else s5) if m2 else (s3 if m3 else s1)
+        m4 = x > (p_hi if m1 else p_lo)
+        c = 8 * np.int64(m1) + 4 * np.int64(m2) + 2 * np.int64(m3) + np.int64(m4) + (x > s16)
+        k_s[j] = c + lane * n_prom
     wk[0] = top_k(c0, m, x_on, b_score, worst_score, worst_index, wk[0])
     nseq = cu.shape[0] - 1
     rare = cells[3]
@@ -256,14 +272,9 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         )  # fmt: skip
         big_l = wacc[1]
         k3_s = wacc[2]
-        j0 = a - c0
-        on_, d_, k3_, kp_ = (
-            x_on[j0 : b - c0],
-            b_d[j0 : b - c0],
-            b_k3[j0 : b - c0],
-            b_kp[j0 : b - c0],
-        )
-        c_ad, c_s, c_h = k_ad[j0 : b - c0], k_s[j0 : b - c0], k_h[j0 : b - c0]
+        j0, j1 = a - c0, b - c0
+        d_, k3_, kp_, on_ = b_d[j0:j1], b_k3[j0:j1], b_kp[j0:j1], x_on[j0:j1]
+        c_ad, c_s, c_h = k_ad[j0:j1], k_s[j0:j1], k_h[j0:j1]
         for j in range(b - a):  # from 0: no wraparound tests (`kernels_seq.verl_segment`)
             on = on_[j] != 0
             d = d_[j]
