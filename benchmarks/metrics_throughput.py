@@ -189,13 +189,11 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
                 f[0], f[1], f[2], f[3], f[4], f[5], g[0], f[9], layouts,
             )  # fmt: skip
         if stop >= 2:
-            KS.verl_vector_pass(
-                x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4], f[6], f[7], f[8]
-            )
+            KS.verl_vector_pass(x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4])
         if stop >= 3:
             KW.walk_chunk(
                 cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], f[4], f[9], params,
-                f[2], f[6], f[7], f[8], fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+                f[2], f[3], fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
                 lb_k3, ad2, prom4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
                 ad_bump, s_edges, h_edges, hd_edges,
             )  # fmt: skip

@@ -196,7 +196,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy")
 def _chunk(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext, cnt,
-    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
     wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2, n_cols,
     worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
@@ -206,11 +206,11 @@ def _chunk(  # type: ignore[no-untyped-def]
         b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
     )  # fmt: skip
     verl_vector_pass(
-        x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
+        x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q
     )  # fmt: skip
     walk_chunk(
         cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
-        b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+        b_rm1, b_r, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
         lb_k3, ad2, prom4, heat2, n_cols, worst_score, worst_index, wk, cells,
         ad_bump, s_edges, h_edges, hd_edges,
     )  # fmt: skip
@@ -230,9 +230,6 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_k3 = _aligned_f64(_CHUNK)
     b_rm1 = _aligned_f64(_CHUNK)
     b_r = _aligned_f64(_CHUNK)
-    b_wm1 = _aligned_f64(_CHUNK)
-    b_w = _aligned_f64(_CHUNK)
-    b_k2 = _aligned_f64(_CHUNK)
     b_kp = _aligned_f64(_CHUNK)
     b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
@@ -258,7 +255,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
         if c1 - c0 >= _DIRECT:
             _chunk(
                 mu[c0:c1], pi[c0:c1], ent[c0:c1], mask[c0:c1], cu, n, c0, c1, params, fsum, fext,
-                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
                 wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2,
                 heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
                 hd_edges,
@@ -271,7 +268,7 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
                 x_on[j] = mask[c0 + j]
             _chunk(
                 x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext,
-                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
                 wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2,
                 heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
                 hd_edges,

@@ -36,11 +36,10 @@ VACC = 11
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def verl_vector_pass(  # type: ignore[no-untyped-def]
-    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2,
+    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q,
 ):  # fmt: skip
-    """The verl-parity token sums and counts over the staged chunk, and the per-token values
-    the walk adds into their sequences' running sums: min(r − 1, C − 1), w·min(r, C) and k2
-    (masked-out positions carry δ = 0, k3 = 0, r − 1 = 0 and give 0 to all three)."""
+    """The verl-parity token sums and counts over the staged chunk (their per-sequence sums:
+    `verl_segment`)."""
     tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
     c_tis, c_m1 = params[21], params[22]
     s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
@@ -75,9 +74,6 @@ def verl_vector_pass(  # type: ignore[no-untyped-def]
         n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
         n_k2 += k2 > t_k2
         n_k3 += b_k3[j] > t_k3
-        b_wm1[j] = wm1
-        b_w[j] = w * wt
-        b_k2[j] = k2
     fsum[_F_TIS] += s_wm1
     fsum[_F_TIS + 1] += s_wm1sq
     fsum[_F_TIS + 2] += s_w
@@ -96,14 +92,18 @@ def verl_vector_pass(  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def verl_segment(  # type: ignore[no-untyped-def]
-    j0, j1, x_mu, x_pi, x_on, b_wm1, b_w, b_rm1, b_k2, b_k3, vacc,
+    j0, j1, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, params, vacc,
 ):  # fmt: skip
     """Add tokens [j0, j1) of the chunk, all of one sequence, to verl's running sums of that
-    sequence in `vacc` (reassociated: vectorised); return how many of them are masked in.
+    sequence in `vacc` (reassociated: vectorised): μ, π, min(r − 1, C − 1), w·min(r, C), r − 1
+    and k2, recomputed from the first pass's buffers as `verl_vector_pass` computes them (masked-out
+    positions carry δ = 0, k3 = 0, r − 1 = 0 and give 0 to all but w·min(r, C), weighted out);
+    return how many of them are masked in.
     (Slices, read from 0: an index LLVM cannot prove non-negative keeps numba's wraparound
     test in the loop, which then does not vectorise.)"""
     on_, mu_, pi_ = x_on[j0:j1], x_mu[j0:j1], x_pi[j0:j1]
-    wm1_, w_, rm1_, k2_, k3_ = b_wm1[j0:j1], b_w[j0:j1], b_rm1[j0:j1], b_k2[j0:j1], b_k3[j0:j1]
+    d_, rm1_, r_, k3_ = b_d[j0:j1], b_rm1[j0:j1], b_r[j0:j1], b_k3[j0:j1]
+    c_tis, c_m1 = params[21], params[22]
     n_on = 0
     s_mu = s_pi = s_wm1 = s_w = s_rm1 = s_k2 = 0.0
     k_k2 = k_k3 = order_key(0.0)
@@ -112,11 +112,14 @@ def verl_segment(  # type: ignore[no-untyped-def]
         n_on += on
         s_mu += np.float64(mu_[j]) if on else 0.0
         s_pi += np.float64(pi_[j]) if on else 0.0
-        s_wm1 += wm1_[j]
-        s_w += w_[j]
-        s_rm1 += rm1_[j]
-        s_k2 += k2_[j]
-        kx = order_key(k2_[j])
+        rm1 = rm1_[j]
+        dc = min(max(d_[j], -20.0), 20.0)
+        k2 = 0.5 * dc * dc
+        s_wm1 += min(rm1, c_m1)
+        s_w += min(r_[j], c_tis) if on else 0.0
+        s_rm1 += rm1
+        s_k2 += k2
+        kx = order_key(k2)
         k_k2 = kx if kx > k_k2 else k_k2
         kx = order_key(k3_[j])
         k_k3 = kx if kx > k_k3 else k_k3

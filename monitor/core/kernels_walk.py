@@ -201,7 +201,7 @@ def finish_sequence(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy")
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
-    b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+    b_rm1, b_r, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
     ad2, prom4, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
@@ -268,7 +268,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         end = wst[1]
         b = min(end, c1)
         wst[2] += verl_segment(
-            a - c0, b - c0, x_mu, x_pi, x_on, b_wm1, b_w, b_rm1, b_k2, b_k3, wacc
+            a - c0, b - c0, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, params, wacc
         )  # fmt: skip
         big_l = wacc[1]
         k3_s = wacc[2]
