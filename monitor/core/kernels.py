@@ -11,12 +11,18 @@ chunks of `_CHUNK` tokens that stay in L1:
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
 2. `kernels_seq.verl_vector_pass`: the verl-parity token sums and counts, over the first pass's
-   per-token buffers, and the per-token values of verl's per-sequence sums.
-3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
-   computed in a loop of their own; one sequential loop then adds the per-sequence sums in
-   token order (the original ones keep the bits of the original token-by-token walk; verl's
-   ride along, no pass of their own) and scatters the cells into split counts that `fold_fine`
-   turns into the histograms once per call; KPop's exact test runs on the few candidates.
+   per-token buffers.
+3. `kernels_walk.walk_chunk`: what the first two leave. Histogram and heatmap cells are
+   computed in a loop of their own (vectorised); then, per sequence segment of the chunk, a
+   vectorised loop for verl's per-sequence sums (`kernels_seq.verl_segment`, reassociated) and
+   one sequential loop for L and Σk3 in token order (the bits of the original token-by-token
+   walk), which also scatters the cells into split counts that `fold_fine` turns into the
+   histograms once per call; the top-k walks only chunks whose largest score can enter, and
+   KPop's exact test runs on the few candidates.
+
+Indices in the hot loops are either loop counters from 0 (over slices) or unsigned: numba tests
+a signed index that LLVM cannot prove non-negative for wraparound, which keeps a loop from
+vectorising (the per-segment loop ran 10× slower) and costs a scatter several instructions.
 
 Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
 |δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.

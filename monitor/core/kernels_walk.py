@@ -11,6 +11,7 @@ order matters for floats:
   sums, as before;
 * histogram and heatmap cells are integer counts (any order gives the same counts); masked-out
   positions add 0 to a valid cell instead of branching;
+* verl's per-sequence sums (new definitions, no earlier bits to keep) are reassociated;
 * the top-k keeps the walk's exact replacement rule (strictly greater than the current minimum,
   the first minimal slot is replaced), so ties resolve as before.
 """
