@@ -10,15 +10,13 @@ chunks of `_CHUNK` tokens that stay in L1:
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. `kernels_seq.verl_vector_pass`: the verl-parity token sums and counts, over the first pass's
-   per-token buffers.
-3. `kernels_walk.walk_chunk`: what the first two leave. Histogram and heatmap cells are
+2. `kernels_walk.walk_chunk`: what the first pass leaves. Histogram and heatmap cells are
    computed in a loop of their own (vectorised); then, per sequence segment of the chunk, a
-   vectorised loop for verl's per-sequence sums (`kernels_seq.verl_segment`, reassociated) and
-   one sequential loop for L and Σk3 in token order (the bits of the original token-by-token
-   walk), which also scatters the cells into split counts that `fold_fine` turns into the
-   histograms once per call; the top-k walks only chunks whose largest score can enter, and
-   KPop's exact test runs on the few candidates.
+   vectorised loop for the verl-parity token and per-sequence sums (`kernels_seq.verl_segment`,
+   reassociated) and one sequential loop for L and Σk3 in token order (the bits of the original
+   token-by-token walk), which also scatters the cells into split counts that `fold_fine` turns
+   into the histograms once per call; the top-k walks only chunks whose largest score can enter,
+   and KPop's exact test runs on the few candidates.
 
 Indices in the hot loops are either loop counters from 0 (over slices) or unsigned: numba tests
 a signed index that LLVM cannot prove non-negative for wraparound, which keeps a loop from
@@ -41,7 +39,7 @@ from timwatch.monitor.core.fastmath import (
     k3_rm1_r,
     order_key,
 )
-from timwatch.monitor.core.kernels_seq import VACC, start_segments, verl_vector_pass
+from timwatch.monitor.core.kernels_seq import VACC, start_segments
 from timwatch.monitor.core.kernels_walk import (
     LANES,
     finish_sequence,
@@ -206,13 +204,10 @@ def _chunk(  # type: ignore[no-untyped-def]
     wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2, n_cols,
     worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """The three passes over one chunk [c0, c1) of the inputs (x_* hold its tokens)."""
+    """The two passes over one chunk [c0, c1) of the inputs (x_* hold its tokens)."""
     _vector_phase(
         x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
         b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
-    )  # fmt: skip
-    verl_vector_pass(
-        x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q
     )  # fmt: skip
     walk_chunk(
         cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,

@@ -269,7 +269,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         end = wst[1]
         b = min(end, c1)
         wst[2] += verl_segment(
-            a - c0, b - c0, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, params, wacc
+            a - c0, b - c0, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, params, wacc, fsum, cnt
         )  # fmt: skip
         big_l = wacc[1]
         k3_s = wacc[2]
