@@ -14,11 +14,11 @@ of the revision, run in a subprocess): by default the engine when issue 11 was f
 the "today" of its ≥ 2× goal) and the full catalog just before the speed work (e8c9d4d).
 
 It prints tokens/s, the ratios (the read floor's among them), and where the engine's time goes
-(the first vector pass, which reads the inputs in place, the verl-parity vector pass, the walk:
-cells, sequence sums, scatters, top-k and the rare KPop candidates, the fold, work outside the
-kernel). Times are the minimum over N repetitions of the calling thread's CPU
-time (`time.thread_time`), which other processes on a loaded machine disturb far less than
-wall time; `--wall` measures wall time instead.
+(the first vector pass, which reads the inputs in place; the walk: cells, the verl-parity sums
+per sequence segment, the sequential L and Σk3, scatters, top-k and the rare KPop candidates;
+the fold; work outside the kernel). Times are the minimum over N repetitions of the calling
+thread's CPU time (`time.thread_time`), which other processes on a loaded machine disturb far
+less than wall time; `--wall` measures wall time instead.
 """
 
 from __future__ import annotations
@@ -165,14 +165,15 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
     ad_table, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
     """The kernel's chunk loop up to `stop`: 0 the loop alone (inputs are read in place), 1 + the
-    first vector pass, 2 + the verl-parity vector pass, 3 + the walk: scatter cells, sequence
-    sums (original and verl's), scatters, top-k, rare tokens (the whole kernel but the final
-    fold of the split counts and the last sequence; the benchmark's chunks are all full)."""
+    first vector pass, 2 + the walk: scatter cells, the verl-parity sums per sequence segment,
+    L and Σk3, scatters, top-k, rare tokens (the whole kernel but the final fold of the split
+    counts and the last sequence; the benchmark's chunks are all full)."""
     chunk = K._CHUNK
     f = [K._aligned_f64(chunk) for _ in range(10)]
     g = [K._aligned_i64(chunk)]
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    prom4 = np.zeros(KW.LANES * prom_s.shape[0], dtype=np.int64)
+    heat2 = np.zeros(KW.LANES * 2 * heat_all.size, dtype=np.int64)
     cells = np.empty((4, chunk), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     wst = np.zeros(3, dtype=np.int64)
@@ -188,14 +189,10 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
                 f[0], f[1], f[2], f[3], f[4], f[5], g[0], f[9], layouts,
             )  # fmt: skip
         if stop >= 2:
-            KS.verl_vector_pass(
-                x_on, c1 - c0, params, fsum, cnt, f[0], f[1], f[2], f[3], f[4], f[6], f[7], f[8]
-            )
-        if stop >= 3:
             KW.walk_chunk(
                 cu, n, c0, c1, x_mu, x_pi, x_h, x_on, f[0], f[1], f[5], g[0], f[4], f[9], params,
-                f[2], f[6], f[7], f[8], fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
-                lb_k3, ad2, prom_s, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
+                f[2], f[3], fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+                lb_k3, ad2, prom4, heat2, heat_all.shape[1], worst_score, worst_index, wk, cells,
                 ad_bump, s_edges, h_edges, hd_edges,
             )  # fmt: skip
 
@@ -219,20 +216,19 @@ def breakdown(
             *BIN_TABLES,
         )  # fmt: skip
 
-    steps: list[Callable[[], object]] = [lambda k=k: parts(k) for k in range(4)]  # type: ignore[misc]
+    steps: list[Callable[[], object]] = [lambda k=k: parts(k) for k in range(3)]  # type: ignore[misc]
     steps.append(lambda: _run_kernel(b, p, 0, b.num_sequences))
     steps.append(lambda: derive_row(accumulate(b, p, threads=1)))
     t = [math.inf] * len(steps)
     for _ in range(passes):  # interleaved: the differences of minima are what is printed
         t = [min(old, best_of(fn, repeat, clock)) for old, fn in zip(t, steps, strict=True)]
-    t_kernel, t_full = t[4], t[5]
+    t_kernel, t_full = t[3], t[4]
     t_opt = best_of(lambda: _optional_inputs(b, acc), repeat, clock)
     rows = (
         ("chunk loop alone (inputs read in place)", t[0]),
         ("first vector pass (original catalog, reads the inputs)", t[1] - t[0]),
-        ("verl-parity vector pass", t[2] - t[1]),
-        ("walk: cells, sequence sums (+ verl's), scatters, top-k", t[3] - t[2]),
-        ("fold of the split counts, rest of the kernel", t_kernel - t[3]),
+        ("walk: cells, verl's sums, L and Σk3, scatters, top-k", t[2] - t[1]),
+        ("fold of the split counts, rest of the kernel", t_kernel - t[2]),
         ("outside the kernel (split, top-k, optional, row)", t_full - t_kernel),
     )
     print("where the time goes (one thread, parts measured alone):")

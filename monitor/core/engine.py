@@ -50,7 +50,9 @@ BIN_TABLES = (
     _H_EDGES,
     _HD_EDGES,
 )
-assert ESTR_SCORE_LAYOUT.coarse_edges.shape == (16,), "the walk compares 16 score edges"
+assert ESTR_SCORE_LAYOUT.coarse_edges.shape == (16,) and bool(
+    np.all(np.diff(ESTR_SCORE_LAYOUT.coarse_edges) > 0)
+), "the walk binary-searches 16 increasing score edges"
 assert _H_EDGES.shape == (7,) and _HD_EDGES.shape == (6,), "the walk compares 6 and 5 inner edges"
 
 

@@ -10,13 +10,17 @@ chunks of `_CHUNK` tokens that stay in L1:
    Masked-out positions are replaced by a neutral token (δ = 0, H = 0) and weighted out, so the
    loop has no branches and vectorises; sums are reassociated across lanes (float rounding
    differs from a sequential sum at the 1e-16 level, nothing more).
-2. `kernels_seq.verl_vector_pass`: the verl-parity token sums and counts, over the first pass's
-   per-token buffers, and the per-token values of verl's per-sequence sums.
-3. `kernels_walk.walk_chunk` (scalar): what cannot vectorise. Histogram and heatmap cells are
-   computed in a loop of their own; one sequential loop then adds the per-sequence sums in
-   token order (the original ones keep the bits of the original token-by-token walk; verl's
-   ride along, no pass of their own) and scatters the cells into split counts that `fold_fine`
-   turns into the histograms once per call; KPop's exact test runs on the few candidates.
+2. `kernels_walk.walk_chunk`: what the first pass leaves. Histogram and heatmap cells are
+   computed in a loop of their own (vectorised); then, per sequence segment of the chunk, a
+   vectorised loop for the verl-parity token and per-sequence sums (`kernels_seq.verl_segment`,
+   reassociated) and one sequential loop for L and Σk3 in token order (the bits of the original
+   token-by-token walk), which also scatters the cells into split counts that `fold_fine` turns
+   into the histograms once per call; the top-k walks only chunks whose largest score can enter,
+   and KPop's exact test runs on the few candidates.
+
+Indices in the hot loops are either loop counters from 0 (over slices) or unsigned: numba tests
+a signed index that LLVM cannot prove non-negative for wraparound, which keeps a loop from
+vectorising (the per-segment loop ran 10× slower) and costs a scatter several instructions.
 
 Exact alternatives replace transcendentals where they exist: exp(δ) is a series for
 |δ| < 1e-2, thresholds on r compare δ against log-thresholds, bins come from the float's bits.
@@ -35,11 +39,13 @@ from timwatch.monitor.core.fastmath import (
     k3_rm1_r,
     order_key,
 )
-from timwatch.monitor.core.kernels_seq import VACC, start_segments, verl_vector_pass
+from timwatch.monitor.core.kernels_seq import VACC, start_segments
 from timwatch.monitor.core.kernels_walk import (
+    LANES,
     finish_sequence,
     fold_fine,
     kpop_maybe,
+    kpop_threshold,
     walk_chunk,
 )
 from timwatch.monitor.core.layout import C, F, M
@@ -98,7 +104,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     k_dmax = k_lo
     k_dmin = k_hmin = k_d2min = k_hi
     n_on = n_estr = n_dabs = n_ice = n_tis = 0
-    phi_half = 0.5 * phi if phi >= 1e-9 else -1.0
+    phi_lo = kpop_threshold(phi)
     for j in range(n):
         on = x_on[j] != 0
         m0 = x_mu[j]
@@ -154,7 +160,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
         n_dabs += d2 > dabs
         n_ice += (dc < ice_lo) | (dc > ice_hi)
         n_tis += dc > tis_c
-        b_kp[j] = pp if near & kpop_maybe(pp, q, p, m, phi_half) else -1.0
+        b_kp[j] = pp if near & kpop_maybe(pp, q, p, m, phi_lo) else -1.0
         b_d[j] = d
         b_k3[j] = k3
         b_rm1[j] = rm1
@@ -194,22 +200,19 @@ def _vector_phase(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy")
 def _chunk(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext, cnt,
-    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
-    wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2, n_cols,
+    b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
+    wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2, n_cols,
     worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """The three passes over one chunk [c0, c1) of the inputs (x_* hold its tokens)."""
+    """The two passes over one chunk [c0, c1) of the inputs (x_* hold its tokens)."""
     _vector_phase(
         x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
         b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
     )  # fmt: skip
-    verl_vector_pass(
-        x_on, c1 - c0, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2
-    )  # fmt: skip
     walk_chunk(
         cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
-        b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
-        lb_k3, ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
+        b_rm1, b_r, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l,
+        lb_k3, ad2, prom4, heat2, n_cols, worst_score, worst_index, wk, cells,
         ad_bump, s_edges, h_edges, hd_edges,
     )  # fmt: skip
 
@@ -228,15 +231,13 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
     b_k3 = _aligned_f64(_CHUNK)
     b_rm1 = _aligned_f64(_CHUNK)
     b_r = _aligned_f64(_CHUNK)
-    b_wm1 = _aligned_f64(_CHUNK)
-    b_w = _aligned_f64(_CHUNK)
-    b_k2 = _aligned_f64(_CHUNK)
     b_kp = _aligned_f64(_CHUNK)
     b_q = _aligned_f64(_CHUNK)
     b_score = _aligned_f64(_CHUNK)
     b_fb = _aligned_i64(_CHUNK)
     ad2 = np.zeros(2 * hist_ad.shape[0], dtype=np.int64)
-    heat2 = np.zeros(2 * heat_all.size, dtype=np.int64)
+    prom4 = np.zeros(LANES * prom_s.shape[0], dtype=np.int64)
+    heat2 = np.zeros(LANES * 2 * heat_all.size, dtype=np.int64)
     cells = np.empty((4, _CHUNK), dtype=np.int64)
     wk = np.zeros(1, dtype=np.int64)
     for i in range(worst_score.shape[0]):
@@ -255,8 +256,8 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
         if c1 - c0 >= _DIRECT:
             _chunk(
                 mu[c0:c1], pi[c0:c1], ent[c0:c1], mask[c0:c1], cu, n, c0, c1, params, fsum, fext,
-                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
-                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2,
                 heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
                 hd_edges,
             )  # fmt: skip
@@ -268,10 +269,10 @@ def core_kernel(  # type: ignore[no-untyped-def]  # noqa: C901
                 x_on[j] = mask[c0 + j]
             _chunk(
                 x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext,
-                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, b_wm1, b_w, b_k2, layouts,
-                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom_s, heat2,
+                cnt, b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,
+                wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3, ad2, prom4, heat2,
                 heat_all.shape[1], worst_score, worst_index, wk, cells, ad_bump, s_edges, h_edges,
                 hd_edges,
             )  # fmt: skip
     finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
-    fold_fine(ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table)
+    fold_fine(ad2, prom4, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table)

@@ -1,12 +1,12 @@
-"""The verl-parity metrics: a vectorised pass for their token sums and counts, and the close of
-their per-sequence statistics.
+"""The verl-parity metrics: a vectorised loop per sequence segment for their token and
+per-sequence sums, the close of their per-sequence statistics; and the walk's top-k.
 
 The fused kernel's first vector pass and scalar walk keep what they always computed (their
 sums give the rows that existed at 530cb8a their bits). verl's metrics are new definitions with
-no such history: their token sums are reassociated here (float rounding at the 1e-16 level),
-and their per-sequence sums ride in the walk's sequential loop, which already goes sequence by
-sequence (`kernels_walk`), on per-token values this pass stages; `verl_close` turns a finished
-sequence's sums (`vacc`, crossing chunks) into verl's statistics.
+no such history: their sums are reassociated here (float rounding at the 1e-16 level), in one
+vectorised loop per sequence segment of a chunk (`verl_segment`, called by `kernels_walk`,
+which goes sequence by sequence); `verl_close` turns a finished sequence's sums (`vacc`,
+crossing chunks) into verl's statistics.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import math
 import numpy as np
 from numba import njit
 
+from timwatch.monitor.core.fastmath import from_order_key, order_key
 from timwatch.monitor.core.layout import C, F, M
 
-__all__ = ["VACC", "start_segments", "verl_close", "verl_vector_pass"]
+__all__ = ["VACC", "start_segments", "top_k", "verl_close", "verl_segment"]
 
 _FASTMATH = {"reassoc", "nsz", "contract"}
+_BIG = 1.7976931348623157e308
 _EXP_GUARD = 600.0  # perplexity exps: far from overflow even summed over 2^53 sequences
 _F_PPL = F.ppl_train
 _C_TOK2, _C_SEQR2, _C_WHI, _C_LOW = C.tok_reject2, C.seq_reject2, C.seq_w_high, C.is_low
@@ -33,36 +35,51 @@ VACC = 11
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
-def verl_vector_pass(  # type: ignore[no-untyped-def]
-    x_on, n, params, fsum, cnt, b_d, b_k3, b_rm1, b_r, b_q, b_wm1, b_w, b_k2,
+def verl_segment(  # type: ignore[no-untyped-def]
+    j0, j1, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, params, vacc, fsum, cnt,
 ):  # fmt: skip
-    """The verl-parity token sums and counts over the staged chunk, and the per-token values
-    the walk adds into their sequences' running sums: min(r − 1, C − 1), w·min(r, C) and k2
-    (masked-out positions carry δ = 0, k3 = 0, r − 1 = 0 and give 0 to all three)."""
+    """The verl-parity statistics of tokens [j0, j1) of the chunk, all of one sequence, from the
+    first pass's buffers (reassociated: vectorised): their token sums and counts into fsum and
+    cnt, and their sums μ, π, min(r − 1, C − 1), w·min(r, C), r − 1, k2 and maxima of k2, k3
+    into the sequence's running sums `vacc` (masked-out positions carry δ = 0, k3 = 0,
+    r − 1 = 0 and are weighted out); return how many of them are masked in.
+    (Slices, read from 0: an index LLVM cannot prove non-negative keeps numba's wraparound
+    test in the loop, which then does not vectorise.)"""
+    on_, mu_, pi_ = x_on[j0:j1], x_mu[j0:j1], x_pi[j0:j1]
+    d_, rm1_, r_, k3_, q_ = b_d[j0:j1], b_rm1[j0:j1], b_r[j0:j1], b_k3[j0:j1], b_q[j0:j1]
     tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
     c_tis, c_m1 = params[21], params[22]
-    s_wm1 = s_wm1sq = s_w = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
+    n_on = 0
+    s_mu = s_pi = s_wm1 = s_w = s_rm1 = s_k2 = 0.0
+    s_wm1sq = s_w2 = s_pd2 = s_p = s_q = s_p2 = s_q2 = s_pq = 0.0
     n_low = n_k1 = n_k2 = n_k3 = 0
-    for j in range(n):
-        on = x_on[j] != 0
+    k_k2 = k_k3 = order_key(0.0)
+    for j in range(j1 - j0):
+        on = on_[j] != 0
+        n_on += on
+        s_mu += np.float64(mu_[j]) if on else 0.0
+        s_pi += np.float64(pi_[j]) if on else 0.0
         w = 1.0 if on else 0.0
-        d = b_d[j]
-        rm1 = b_rm1[j]
+        d = d_[j]
+        rm1 = rm1_[j]
         dc = min(max(d, -20.0), 20.0)
-        q = b_q[j]
+        k2 = 0.5 * dc * dc
+        k3 = k3_[j]
+        wm1 = min(rm1, c_m1)
+        wt = min(r_[j], c_tis)
+        q = q_[j]
         pp = q + q * rm1
         near = abs(d) <= 20.0
         pdiff = abs(pp - q) if near else 0.0
         wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
         pw = wn * pp
         qw = wn * q
-        wm1 = min(rm1, c_m1)
-        wt = min(b_r[j], c_tis)
-        k2 = 0.5 * dc * dc
         s_wm1 += wm1
         s_wm1sq += wm1 * wm1
         s_w += w * wt
         s_w2 += w * (wt * wt)
+        s_rm1 += rm1
+        s_k2 += k2
         s_pd2 += pdiff * pdiff
         s_p += pw
         s_q += qw
@@ -72,10 +89,11 @@ def verl_vector_pass(  # type: ignore[no-untyped-def]
         n_low += on & (dc < -tis_c)
         n_k1 += on & ((-dc < k1_lo) | (-dc > k1_hi))
         n_k2 += k2 > t_k2
-        n_k3 += b_k3[j] > t_k3
-        b_wm1[j] = wm1
-        b_w[j] = w * wt
-        b_k2[j] = k2
+        n_k3 += k3 > t_k3
+        kx = order_key(k2)
+        k_k2 = kx if kx > k_k2 else k_k2
+        kx = order_key(k3)
+        k_k3 = kx if kx > k_k3 else k_k3
     fsum[_F_TIS] += s_wm1
     fsum[_F_TIS + 1] += s_wm1sq
     fsum[_F_TIS + 2] += s_w
@@ -90,6 +108,41 @@ def verl_vector_pass(  # type: ignore[no-untyped-def]
     cnt[_C_TOK2 + 0] += n_k1
     cnt[_C_TOK2 + 1] += n_k2
     cnt[_C_TOK2 + 2] += n_k3
+    vacc[3] += s_mu
+    vacc[4] += s_pi
+    vacc[5] += s_wm1
+    vacc[6] += s_w
+    vacc[7] += s_rm1
+    vacc[8] += s_k2
+    vacc[9] = max(vacc[9], from_order_key(k_k2))
+    vacc[10] = max(vacc[10], from_order_key(k_k3))
+    return n_on
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def top_k(c0, m, x_on, b_score, worst_score, worst_index, wmin):  # type: ignore[no-untyped-def]
+    """The chunk's masked tokens into the top-k by score (worst_index: their batch positions),
+    in token order: a token replaces the minimal slot `wmin` (the first minimal one) when its
+    score is strictly greater. The chunk's largest score is found first (vectorised); a chunk
+    whose scores cannot enter is not walked. Returns the new minimal slot."""
+    k_lo = order_key(-_BIG)
+    k_max = k_lo
+    for j in range(m):
+        kx = order_key(b_score[j]) if x_on[j] != 0 else k_lo
+        k_max = kx if kx > k_max else k_max
+    thr = worst_score[wmin]
+    if not from_order_key(k_max) > thr:
+        return wmin
+    for j in range(m):
+        score = b_score[j]
+        if x_on[j] != 0 and score > thr:
+            worst_score[wmin] = score
+            worst_index[wmin] = c0 + j
+            for i in range(worst_score.shape[0]):
+                if worst_score[i] < worst_score[wmin]:
+                    wmin = i
+            thr = worst_score[wmin]
+    return wmin
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

@@ -11,6 +11,7 @@ order matters for floats:
   sums, as before;
 * histogram and heatmap cells are integer counts (any order gives the same counts); masked-out
   positions add 0 to a valid cell instead of branching;
+* verl's per-sequence sums (new definitions, no earlier bits to keep) are reassociated;
 * the top-k keeps the walk's exact replacement rule (strictly greater than the current minimum,
   the first minimal slot is replaced), so ties resolve as before.
 """
@@ -23,16 +24,18 @@ import numpy as np
 from numba import njit
 
 from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, bits_f64, f64_bits, log
-from timwatch.monitor.core.kernels_seq import verl_close
+from timwatch.monitor.core.kernels_seq import top_k, verl_close, verl_segment
 from timwatch.monitor.core.layout import C, F, M
 
 __all__ = [
+    "LANES",
     "bump_table",
     "close_sequence",
     "finish_sequence",
     "fold_fine",
     "kpop_maybe",
     "kpop_reject",
+    "kpop_threshold",
     "walk_chunk",
 ]
 
@@ -41,6 +44,8 @@ _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
 _F_PD2 = F.pd2
 _LN2 = math.log(2.0)
+#: copies of the score and heatmap counts (a power of two; see `walk_chunk`)
+LANES = 4
 
 
 def bump_table(table: np.ndarray, edges: np.ndarray, shift: int) -> np.ndarray:
@@ -114,27 +119,35 @@ def _log2_floor(x):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", cache=True, error_model="numpy")
-def kpop_maybe(p, q, lp, lq, phi_half):  # type: ignore[no-untyped-def]
+def kpop_threshold(phi):  # type: ignore[no-untyped-def]
+    """The level `kpop_maybe`'s bounds must pass: φ less a margin (1e-9 relative and 1e-12
+    absolute) far above the rounding of the bounds and of the exact test (terms below ~40, a
+    few ulp each: ~1e-14), or −1 (every token a candidate) for φ < 1e-9."""
+    return phi * (1.0 - 1e-9) - 1e-12 if phi >= 1e-9 else -1.0
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_maybe(p, q, lp, lq, phi_lo):  # type: ignore[no-untyped-def]
     """False only where `kpop_reject` is False for certain, without its log and division: each
-    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass φ/2 (φ/2
-    of room is left for the rounding of the exact test, ~1e-14 absolute):
+    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass
+    `phi_lo` = `kpop_threshold(φ)` (φ less room for rounding):
 
     * χ²: D(a‖b) ≤ (a − b)²/(b(1 − b)) (tight for moderate probabilities);
     * exponents: with λ = log((1 − p)/(1 − q)) as in `kpop_reject`, log2 of each side lies in
       [e, e + 1) of its exponent e, so ±λ ≤ (±(e₁ − e₂) + 1)·ln 2 (tight near 0 and 1, where
       the χ² bound is loose), and the other term of each KL is exact already (p·(lp − lq)).
 
-    `phi_half` = −1 makes every token a candidate (φ too small for the bounds to help)."""
+    `phi_lo` = −1 makes every token a candidate (φ too small for the bounds to help)."""
     pc = min(max(p, 1e-8), 1.0 - 1e-8)
     qc = min(max(q, 1e-8), 1.0 - 1e-8)
     lp = min(max(lp, LOG_P_LO), LOG_P_HI)
     lq = min(max(lq, LOG_P_LO), LOG_P_HI)
     g = pc - qc
-    chi2 = g * g > phi_half * min(qc * (1.0 - qc), pc * (1.0 - pc))
+    chi2 = g * g > phi_lo * min(qc * (1.0 - qc), pc * (1.0 - pc))
     de = _log2_floor(1.0 - pc) - _log2_floor(1.0 - qc)
     ub_a = pc * (lp - lq) + (1.0 - pc) * ((de + 1.0) * _LN2)
     ub_b = qc * (lq - lp) + (1.0 - qc) * ((1.0 - de) * _LN2)
-    return chi2 & (max(ub_a, ub_b) > phi_half)
+    return chi2 & (max(ub_a, ub_b) > phi_lo)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -189,37 +202,40 @@ def finish_sequence(  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, error_model="numpy")
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
-    b_rm1, b_wm1, b_w, b_k2, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
-    ad2, prom_s, heat2, n_cols, worst_score, worst_index, wk, cells,
+    b_rm1, b_r, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
+    ad2, prom4, heat2, n_cols, worst_score, worst_index, wk, cells,
     ad_bump, s_edges, h_edges, hd_edges,
 ):  # fmt: skip
-    """Everything of the staged chunk [c0, c1) the vector passes leave (the rare tokens, listed
-    by the sequential loop and finished once per chunk by `_kpop_near` and `_far`): the running
-    sequence
+    """Everything of the staged chunk [c0, c1) the vector passes leave: the running sequence
     sums (wst = (sequence, its end, masked tokens so far), wacc = `kernels_seq.VACC`'s running
     sums: L and Σk3 of the original statistics, and verl's), closing every sequence that ends
-    inside the chunk; fine-bin and heatmap counts; the rare |δ| > 20
-    probabilities; the top-k (wk[0] is its minimal slot).
+    inside the chunk; fine-bin and heatmap counts; the rare tokens (KPop candidates and
+    |δ| > 20, finished once per chunk by `_kpop_near` and `_far`); the top-k (wk[0] is its
+    minimal slot).
 
     ad2[2·b + u] counts the tokens of fine |δ| bin b that are (u = 1) or are not above the
     coarse edge inside that bin (`bump_table`); the ESTR score's coarse bin counts the edges the
     score is above (the `le` bucket's definition); heat2 counts heatmap cells, rejected
-    by ESTR in its second half. `fold_fine` turns them into the accumulator's histograms, with
-    the counts the per-token coarse lookups gave. Heatmap cells count the inner grid edges a
-    value passes (the left-closed grid's definition). Cell indices are computed in loops of
-    their own (lookups and compares, no scatter; the heatmap's vectorises); the scatters share
-    the sequential loop of the sequence sums, whose add latency they hide.
+    by ESTR in its second half. Heatmap cells count the inner grid edges a value passes (the
+    left-closed grid's definition). The score and heatmap counts are spread over `LANES` copies
+    (token j counts in copy j mod `LANES`), so runs of one cell do not chain their increments
+    through memory; `fold_fine` adds the copies up and turns the split counts into the
+    accumulator's histograms. Cell indices are computed in loops of their own (lookups and
+    compares, no scatter; the heatmap's vectorises); the scatters share the sequential loop of
+    L and Σk3, whose add latency they hide; verl's per-sequence sums (new definitions, free to
+    be reassociated) are a vectorised loop per sequence segment (`kernels_seq.verl_segment`).
     """
     tau, eps, phi = params[0], params[1], params[5]
-    n_cells = heat2.shape[0] // 2
+    n_cells = heat2.shape[0] // (2 * LANES)
+    n_prom = prom4.shape[0] // LANES
     m = c1 - c0
     k_ad = cells[0]
     k_s = cells[1]
     k_h = cells[2]
     for j in range(m):
         fb = b_fb[j]
-        k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[fb])
-    # edges as scalars: compares only, so this loop vectorises
+        k_ad[j] = 2 * fb + (abs(b_d[j]) > ad_bump[np.uint64(fb)])
+    # edges as scalars: compares and selects only, so this loop vectorises
     s1, s2, s3, s4, s5, s6, s7, s8 = s_edges[0:8]
     s9, s10, s11, s12, s13, s14, s15, s16 = s_edges[8:16]
     d1, d2, d3, d4, d5 = hd_edges[1], hd_edges[2], hd_edges[3], hd_edges[4], hd_edges[5]
@@ -228,63 +244,53 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         d = b_d[j]
         ad = abs(d)
         h = x_h[j] if x_on[j] != 0 else 0.0
+        lane = j & (LANES - 1)
         hc = np.int64(ad >= d1) + (ad >= d2) + (ad >= d3) + (ad >= d4) + (ad >= d5)
         hr = np.int64(h >= e1) + (h >= e2) + (h >= e3) + (h >= e4) + (h >= e5) + (h >= e6)
-        k_h[j] = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps))
+        cell = hr * n_cols + hc + n_cells * (d * d > tau * (h + eps)) + lane * (2 * n_cells)
+        k_h[j] = cell
+        # the count of the 16 sorted edges below x, by binary search (5 compares, not 16)
         x = b_score[j]
-        c = np.int64(x > s1) + (x > s2) + (x > s3) + (x > s4) + (x > s5) + (x > s6) + (x > s7)
-        c += np.int64(x > s8) + (x > s9) + (x > s10) + (x > s11) + (x > s12) + (x > s13)
-        k_s[j] = c + (x > s14) + (x > s15) + (x > s16)
+        m1 = x > s8
+        m2 = x > (s12 if m1 else s4)
+        p = (s14 if m2 else s10) if m1 else (s6 if m2 else s2)
+        m3 = x > p
+        p_hi = (s15 if m3 else s13) if m2 else (s11 if m3 else s9)
+        p_lo = (s7 if m3 else s5) if m2 else (s3 if m3 else s1)
+        m4 = x > (p_hi if m1 else p_lo)
+        c = 8 * np.int64(m1) + 4 * np.int64(m2) + 2 * np.int64(m3) + np.int64(m4) + (x > s16)
+        k_s[j] = c + lane * n_prom
+    wk[0] = top_k(c0, m, x_on, b_score, worst_score, worst_index, wk[0])
     nseq = cu.shape[0] - 1
     rare = cells[3]
     n_rare = 0
-    wmin = wk[0]
-    thr = worst_score[wmin]
     a = c0
     while a < c1:
         end = wst[1]
         b = min(end, c1)
-        n_s = wst[2]
+        wst[2] += verl_segment(
+            a - c0, b - c0, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, params, wacc, fsum, cnt
+        )  # fmt: skip
         big_l = wacc[1]
         k3_s = wacc[2]
-        s_mu, s_pi, s_wm1, s_w, s_rm1, s_k2 = wacc[3], wacc[4], wacc[5], wacc[6], wacc[7], wacc[8]
-        m_k2, m_k3 = wacc[9], wacc[10]
-        for j in range(a - c0, b - c0):
-            on = x_on[j] != 0
-            n_s += on
-            k3 = b_k3[j]
-            k2 = b_k2[j]
-            big_l += b_d[j]
-            k3_s += k3
-            s_mu += np.float64(x_mu[j]) if on else 0.0
-            s_pi += np.float64(x_pi[j]) if on else 0.0
-            s_wm1 += b_wm1[j]
-            s_w += b_w[j]
-            s_rm1 += b_rm1[j]
-            s_k2 += k2
-            m_k2 = max(m_k2, k2)
-            m_k3 = max(m_k3, k3)
-            ad2[k_ad[j]] += on
-            prom_s[k_s[j]] += on
-            heat2[k_h[j]] += on
-            d = b_d[j]
-            kp = b_kp[j]
-            if kp >= 0.0 or abs(d) > 20.0:  # rare: a KPop candidate, or |δ| > 20
-                rare[n_rare] = j
+        j0, j1 = a - c0, b - c0
+        d_, k3_, kp_, on_ = b_d[j0:j1], b_k3[j0:j1], b_kp[j0:j1], x_on[j0:j1]
+        c_ad, c_s, c_h = k_ad[j0:j1], k_s[j0:j1], k_h[j0:j1]
+        # indices from 0 (slices) or unsigned: numba tests a signed index for wraparound, and
+        # those tests cost the scatters ~15 % of the walk
+        for j in range(b - a):
+            on = on_[j] != 0
+            d = d_[j]
+            big_l += d
+            k3_s += k3_[j]
+            ad2[np.uint64(c_ad[j])] += on
+            prom4[np.uint64(c_s[j])] += on
+            heat2[np.uint64(c_h[j])] += on
+            if kp_[j] >= 0.0 or abs(d) > 20.0:  # rare: a KPop candidate, or |δ| > 20
+                rare[n_rare] = j0 + j
                 n_rare += 1
-            score = b_score[j]
-            if on and score > thr:
-                worst_score[wmin] = score
-                worst_index[wmin] = c0 + j
-                for i in range(worst_score.shape[0]):
-                    if worst_score[i] < worst_score[wmin]:
-                        wmin = i
-                thr = worst_score[wmin]
-        wst[2] = n_s
         wacc[1] = big_l
         wacc[2] = k3_s
-        wacc[3], wacc[4], wacc[5], wacc[6], wacc[7], wacc[8] = s_mu, s_pi, s_wm1, s_w, s_rm1, s_k2
-        wacc[9], wacc[10] = m_k2, m_k3
         a = b
         if b == end and end < n:
             finish_sequence(wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params)
@@ -293,22 +299,27 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
                 s += 1
             wst[0] = s
             wst[1] = cu[s + 1] if s < nseq else n
-    wk[0] = wmin
     _kpop_near(rare, n_rare, b_kp, b_q, x_mu, x_pi, x_on, cnt, phi)
     _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
 def fold_fine(  # type: ignore[no-untyped-def]
-    ad2, heat2, hist_ad, prom_ad, heat_all, heat_rej, ad_table,
+    ad2, prom4, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table,
 ):  # fmt: skip
-    """Add the split counts of `walk_chunk` to the fine, coarse and heatmap histograms."""
+    """Add the split counts of `walk_chunk` (the copies of the score and heatmap counts summed)
+    to the fine, coarse and heatmap histograms."""
     flat_all = heat_all.reshape(-1)
     flat_rej = heat_rej.reshape(-1)
     n_cells = flat_all.shape[0]
-    for i in range(n_cells):
-        flat_all[i] += heat2[i] + heat2[n_cells + i]
-        flat_rej[i] += heat2[n_cells + i]
+    n_prom = prom_s.shape[0]
+    for lane in range(LANES):
+        o = lane * 2 * n_cells
+        for i in range(n_cells):
+            flat_all[i] += heat2[o + i] + heat2[o + n_cells + i]
+            flat_rej[i] += heat2[o + n_cells + i]
+        for i in range(n_prom):
+            prom_s[i] += prom4[lane * n_prom + i]
     for b in range(hist_ad.shape[0]):
         lo = ad2[2 * b]
         hi = ad2[2 * b + 1]

@@ -13,13 +13,13 @@ import numpy as np
 from numba import njit
 
 from timwatch.monitor.core.fastmath import exp, k3_rm1_r
-from timwatch.monitor.core.kernels_walk import kpop_maybe, kpop_reject
+from timwatch.monitor.core.kernels_walk import kpop_maybe, kpop_reject, kpop_threshold
 
 
 @njit(cache=False, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})
 def _sweep(mu, pi, phi):  # type: ignore[no-untyped-def]
     """(tokens the exact test rejects, of them cleared by the bounds, candidates)."""
-    half = 0.5 * phi if phi >= 1e-9 else -1.0
+    half = kpop_threshold(phi)
     rejected = missed = candidates = 0
     for j in range(mu.shape[0]):
         m = mu[j]
