@@ -186,7 +186,7 @@ def _kernel_prefix(  # type: ignore[no-untyped-def]
         if stop >= 1:
             K._vector_phase(
                 x_mu, x_pi, x_h, x_on, c1 - c0, params, fsum, fext, cnt,
-                f[0], f[1], f[2], f[3], f[4], f[5], g[0], f[9], layouts,
+                f[0], f[1], f[2], f[3], f[4], f[5], g[0], layouts,
             )  # fmt: skip
         if stop >= 2:
             KW.walk_chunk(

@@ -16,11 +16,27 @@ import math
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import from_order_key, order_key
+from timwatch.monitor.core.fastmath import (
+    LOG_P_HI,
+    LOG_P_LO,
+    bits_f64,
+    f64_bits,
+    from_order_key,
+    order_key,
+)
 from timwatch.monitor.core.layout import C, F, M
 
-__all__ = ["VACC", "start_segments", "top_k", "verl_close", "verl_segment"]
+__all__ = [
+    "VACC",
+    "kpop_maybe",
+    "kpop_threshold",
+    "start_segments",
+    "top_k",
+    "verl_close",
+    "verl_segment",
+]
 
+_LN2 = math.log(2.0)
 _FASTMATH = {"reassoc", "nsz", "contract"}
 _BIG = 1.7976931348623157e308
 _EXP_GUARD = 600.0  # perplexity exps: far from overflow even summed over 2^53 sequences
@@ -34,19 +50,62 @@ _M_LPD_MAX, _M_W_MAX, _M_W_DEV, _M_LPD_MIN, _M_W_MIN = (
 VACC = 11
 
 
+@njit(inline="always", cache=True, error_model="numpy")
+def _log2_floor(x):  # type: ignore[no-untyped-def]
+    """⌊log2 x⌋ of a positive normal float, from its exponent bits (exact, as a float)."""
+    e = bits_f64((f64_bits(x) >> np.uint64(52)) | np.uint64(0x4330000000000000))
+    return e - 4503599627371520.0 - 1023.0
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_threshold(phi):  # type: ignore[no-untyped-def]
+    """The level `kpop_maybe`'s bounds must pass: φ less a margin (1e-9 relative and 1e-12
+    absolute) far above the rounding of the bounds and of the exact test (terms below ~40, a
+    few ulp each: ~1e-14), or −1 (every token a candidate) for φ < 1e-9."""
+    return phi * (1.0 - 1e-9) - 1e-12 if phi >= 1e-9 else -1.0
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def kpop_maybe(p, q, lp, lq, phi_lo):  # type: ignore[no-untyped-def]
+    """False only where `kpop_reject` is False for certain, without its log and division: each
+    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass
+    `phi_lo` = `kpop_threshold(φ)` (φ less room for rounding):
+
+    * χ²: D(a‖b) ≤ (a − b)²/(b(1 − b)) (tight for moderate probabilities);
+    * exponents: with λ = log((1 − p)/(1 − q)) as in `kpop_reject`, log2 of each side lies in
+      [e, e + 1) of its exponent e, so ±λ ≤ (±(e₁ − e₂) + 1)·ln 2 (tight near 0 and 1, where
+      the χ² bound is loose), and the other term of each KL is exact already (p·(lp − lq)).
+
+    `phi_lo` = −1 makes every token a candidate (φ too small for the bounds to help)."""
+    pc = min(max(p, 1e-8), 1.0 - 1e-8)
+    qc = min(max(q, 1e-8), 1.0 - 1e-8)
+    lp = min(max(lp, LOG_P_LO), LOG_P_HI)
+    lq = min(max(lq, LOG_P_LO), LOG_P_HI)
+    g = pc - qc
+    chi2 = g * g > phi_lo * min(qc * (1.0 - qc), pc * (1.0 - pc))
+    de = _log2_floor(1.0 - pc) - _log2_floor(1.0 - qc)
+    ub_a = pc * (lp - lq) + (1.0 - pc) * ((de + 1.0) * _LN2)
+    ub_b = qc * (lq - lp) + (1.0 - qc) * ((1.0 - de) * _LN2)
+    return chi2 & (max(ub_a, ub_b) > phi_lo)
+
+
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
 def verl_segment(  # type: ignore[no-untyped-def]
-    j0, j1, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, params, vacc, fsum, cnt,
+    j0, j1, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, b_kp, params, vacc, fsum, cnt,
 ):  # fmt: skip
     """The verl-parity statistics of tokens [j0, j1) of the chunk, all of one sequence, from the
     first pass's buffers (reassociated: vectorised): their token sums and counts into fsum and
     cnt, and their sums μ, π, min(r − 1, C − 1), w·min(r, C), r − 1, k2 and maxima of k2, k3
     into the sequence's running sums `vacc` (masked-out positions carry δ = 0, k3 = 0,
-    r − 1 = 0 and are weighted out); return how many of them are masked in.
+    r − 1 = 0 and are weighted out); KPop's candidates (`kpop_maybe`, the first pass's e^π
+    under the first pass's flags) into b_kp (e^π, −1 elsewhere); return how many of them are
+    masked in.
     (Slices, read from 0: an index LLVM cannot prove non-negative keeps numba's wraparound
     test in the loop, which then does not vectorise.)"""
     on_, mu_, pi_ = x_on[j0:j1], x_mu[j0:j1], x_pi[j0:j1]
     d_, rm1_, r_, k3_, q_ = b_d[j0:j1], b_rm1[j0:j1], b_r[j0:j1], b_k3[j0:j1], b_q[j0:j1]
+    kp_ = b_kp[j0:j1]
+    phi_lo = kpop_threshold(params[5])
     tis_c, k1_lo, k1_hi, t_k2, t_k3 = params[6], params[12], params[13], params[14], params[15]
     c_tis, c_m1 = params[21], params[22]
     n_on = 0
@@ -71,6 +130,9 @@ def verl_segment(  # type: ignore[no-untyped-def]
         pp = q + q * rm1
         near = abs(d) <= 20.0
         pdiff = abs(pp - q) if near else 0.0
+        p = np.float64(pi_[j]) if on else -1.0
+        m = np.float64(mu_[j]) if on else -1.0
+        kp_[j] = pp if near & kpop_maybe(pp, q, p, m, phi_lo) else -1.0
         wn = w if near else 0.0  # probabilities of |δ| > 20 come from the walk
         pw = wn * pp
         qw = wn * q

@@ -23,8 +23,14 @@ import math
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, bits_f64, f64_bits, log
-from timwatch.monitor.core.kernels_seq import top_k, verl_close, verl_segment
+from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, log
+from timwatch.monitor.core.kernels_seq import (
+    kpop_maybe,
+    kpop_threshold,
+    top_k,
+    verl_close,
+    verl_segment,
+)
 from timwatch.monitor.core.layout import C, F, M
 
 __all__ = [
@@ -43,7 +49,6 @@ _C_SEQ, _C_TOK, _C_SEQR = C.sequences, C.tok_reject, C.seq_reject
 _F_SEQ_ABS_L, _F_SEQ_GEO, _F_SEQ_EXP2L = F.seq_abs_l, F.seq_geo, F.seq_exp2l
 _M_SEQ_ABS_L = M.seq_abs_l
 _F_PD2 = F.pd2
-_LN2 = math.log(2.0)
 #: copies of the score and heatmap counts (a power of two; see `walk_chunk`)
 LANES = 4
 
@@ -109,45 +114,6 @@ def _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi):  # type: ignore[n
             fsum[_F_PD2 + 3] += ep * ep
             fsum[_F_PD2 + 4] += q * q
             fsum[_F_PD2 + 5] += ep * q
-
-
-@njit(inline="always", cache=True, error_model="numpy")
-def _log2_floor(x):  # type: ignore[no-untyped-def]
-    """⌊log2 x⌋ of a positive normal float, from its exponent bits (exact, as a float)."""
-    e = bits_f64((f64_bits(x) >> np.uint64(52)) | np.uint64(0x4330000000000000))
-    return e - 4503599627371520.0 - 1023.0
-
-
-@njit(inline="always", cache=True, error_model="numpy")
-def kpop_threshold(phi):  # type: ignore[no-untyped-def]
-    """The level `kpop_maybe`'s bounds must pass: φ less a margin (1e-9 relative and 1e-12
-    absolute) far above the rounding of the bounds and of the exact test (terms below ~40, a
-    few ulp each: ~1e-14), or −1 (every token a candidate) for φ < 1e-9."""
-    return phi * (1.0 - 1e-9) - 1e-12 if phi >= 1e-9 else -1.0
-
-
-@njit(inline="always", cache=True, error_model="numpy")
-def kpop_maybe(p, q, lp, lq, phi_lo):  # type: ignore[no-untyped-def]
-    """False only where `kpop_reject` is False for certain, without its log and division: each
-    Bernoulli KL is bounded twice, and a token is a candidate only if both bounds pass
-    `phi_lo` = `kpop_threshold(φ)` (φ less room for rounding):
-
-    * χ²: D(a‖b) ≤ (a − b)²/(b(1 − b)) (tight for moderate probabilities);
-    * exponents: with λ = log((1 − p)/(1 − q)) as in `kpop_reject`, log2 of each side lies in
-      [e, e + 1) of its exponent e, so ±λ ≤ (±(e₁ − e₂) + 1)·ln 2 (tight near 0 and 1, where
-      the χ² bound is loose), and the other term of each KL is exact already (p·(lp − lq)).
-
-    `phi_lo` = −1 makes every token a candidate (φ too small for the bounds to help)."""
-    pc = min(max(p, 1e-8), 1.0 - 1e-8)
-    qc = min(max(q, 1e-8), 1.0 - 1e-8)
-    lp = min(max(lp, LOG_P_LO), LOG_P_HI)
-    lq = min(max(lq, LOG_P_LO), LOG_P_HI)
-    g = pc - qc
-    chi2 = g * g > phi_lo * min(qc * (1.0 - qc), pc * (1.0 - pc))
-    de = _log2_floor(1.0 - pc) - _log2_floor(1.0 - qc)
-    ub_a = pc * (lp - lq) + (1.0 - pc) * ((de + 1.0) * _LN2)
-    ub_b = qc * (lq - lp) + (1.0 - qc) * ((1.0 - de) * _LN2)
-    return chi2 & (max(ub_a, ub_b) > phi_lo)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -269,7 +235,8 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
         end = wst[1]
         b = min(end, c1)
         wst[2] += verl_segment(
-            a - c0, b - c0, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, params, wacc, fsum, cnt
+            a - c0, b - c0, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, b_kp, params, wacc,
+            fsum, cnt,
         )  # fmt: skip
         big_l = wacc[1]
         k3_s = wacc[2]
