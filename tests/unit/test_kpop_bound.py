@@ -1,7 +1,8 @@
 """KPop's pre-test (`kpop_maybe`) never clears a token its exact test (`kpop_reject`) rejects.
 
-The first vector pass runs KPop's exact test (a log and a division) only on the tokens the two
-cheap bounds cannot clear; a cleared token counts as kept. So the bounds must hold wherever the
+The engine runs KPop's exact test (a log and a division) only on the tokens the two cheap
+bounds cannot clear (the walk's per-segment loop tests the bounds against `kpop_threshold(φ)`);
+a cleared token counts as kept. So the bounds must hold wherever the
 exact test says "reject": across probabilities from 1e-12 to 1 (both clamps), δ up to the
 series switch and the ±20 range, and thresholds φ from 1e-9 up, with the exact test computed
 as the kernel computes it (e^π as q·r from the same series).
