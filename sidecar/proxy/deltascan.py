@@ -32,7 +32,7 @@ import numba as nb
 import numpy as np
 
 from timwatch.sidecar.proxy import numparse
-from timwatch.sidecar.proxy.numparse import _REFUSED, POW5, _number
+from timwatch.sidecar.proxy.numparse import POW5, triples_into
 from timwatch.sidecar.proxy.scan import (
     _P_DATA,
     _P_FINISH,
@@ -43,7 +43,6 @@ from timwatch.sidecar.proxy.scan import (
     _int_at,
     _matches,
     byte_at,
-    id_null_at,
     scan_frames,
 )
 
@@ -163,76 +162,6 @@ def _exact_marks(
     return count
 
 
-# 10**k for k <= 22: exact doubles
-_POW10 = np.array([10.0**k for k in range(23)])
-
-
-@nb.njit(cache=True, nogil=True, inline="always")
-def _float_at(buf: np.ndarray, i: int, table: np.ndarray, pow10: np.ndarray) -> tuple[float, int]:
-    """The JSON number at ``buf[i]`` as a float64 and its end (end -1: refused). A plain
-    decimal ``-?d+.d+`` with a significand below 2**53 and at most 22 decimals is
-    ``w / 10**k``: both exact, one correctly rounded division (Clinger's fast path), so the
-    float `numparse._number` and orjson give; any other token goes to `numparse._number`."""
-    j, n = i, buf.shape[0]
-    neg = j < n and buf[j] == 45
-    j += neg
-    w, digits, frac = nb.uint64(0), 0, -1
-    first = j
-    while j < n:
-        c = buf[j]
-        if 48 <= c <= 57:
-            w = w * nb.uint64(10) + nb.uint64(c - 48)
-            digits += 1
-        elif c == 46 and frac < 0 and digits > 0:
-            frac = digits
-        else:
-            break
-        j += 1
-    k = digits - frac
-    lead_ok = byte_at(buf, first) != 48 or frac == 1  # no leading zero before the point
-    if frac > 0 and 0 < k <= 22 and digits <= 18 and w < nb.uint64(1 << 53) and lead_ok:
-        c = byte_at(buf, j)
-        if c != 101 and c != 69:
-            value = float(w) / pow10[k]
-            return (-value if neg else value), j
-    bits, j = _number(buf, i, table)
-    if bits == _REFUSED:
-        return 0.0, -1
-    return np.array([bits]).view(np.float64)[0], j
-
-
-@nb.njit(cache=True, nogil=True, inline="always")
-def _triples(
-    buf: np.ndarray, i: int, ids: np.ndarray, vals: np.ndarray, count: int, table: np.ndarray
-) -> tuple[int, int]:
-    """``[[logprob,id,null],...]`` at ``buf[i]`` appended to ``ids`` and ``vals`` (the
-    log-probs, `_float_at`: the floats orjson gives) from ``count``; returns
-    (new count, end), count -1 where the list does not read exactly that way."""
-    if byte_at(buf, i) != 91:
-        return -1, i
-    i += 1
-    if byte_at(buf, i) == 93:
-        return count, i + 1
-    while True:
-        if byte_at(buf, i) != 91:
-            return -1, i
-        value, i = _float_at(buf, i + 1, table, _POW10)
-        if i < 0 or byte_at(buf, i) != 44:
-            return -1, i
-        tid, i = id_null_at(buf, i + 1)
-        if tid < 0:
-            return -1, i
-        ids[count], vals[count] = tid, value
-        count += 1
-        c = byte_at(buf, i)
-        if c == 44:
-            i += 1
-        elif c == 93:
-            return count, i + 1
-        else:
-            return -1, i
-
-
 @nb.njit(cache=True, nogil=True)
 def _scan_deltas(
     buf: np.ndarray,
@@ -290,7 +219,7 @@ def _scan_deltas(
             stopped = True  # finished (or not compact JSON): the last chunk
             break
         total = _int_at(buf, kt + m_total, end)
-        got, e = _triples(buf, kl + m_list, ids, vals, count, table)
+        got, e = triples_into(buf, kl + m_list, ids, vals, count, table)
         if total < 0 or got < 0 or e != kt - 1:
             stopped = True
             break

@@ -4,7 +4,10 @@
 per token, then an array). Here each number token is parsed in place with the Eisel–Lemire
 algorithm (Lemire, "Number parsing at a gigabyte per second", 2021; the fast_float library):
 the decimal significand ``w`` (at most 19 digits) times a 128-bit truncation of ``5**q`` gives
-the correctly rounded double, the same one orjson and Python's ``float()`` give.
+the correctly rounded double, the same one orjson and Python's ``float()`` give. A plain
+decimal with a significand below 2**53 and at most 22 decimals (every log-prob SGLang writes)
+takes Clinger's fast path first: one correctly rounded division of two exact doubles, the
+same double again.
 
 Anything outside that exact path is refused, never approximated: more than 19 significant
 digits, a result that would be subnormal or infinite, a token that is not a JSON number, a
@@ -19,7 +22,7 @@ import numpy as np
 
 from timwatch.sidecar.proxy.scan import byte_at, id_null_at, scan_ints, scan_rows, scan_triples
 
-__all__ = ["triples_f64", "POW5", "Q_MIN", "Q_MAX", "warm_up"]
+__all__ = ["triples_f64", "triples_into", "POW5", "Q_MIN", "Q_MAX", "warm_up"]
 
 Q_MIN, Q_MAX = -342, 308
 # a double's IEEE-754 bits as a signed 64-bit int (what numba returns: an int64)
@@ -226,6 +229,77 @@ def _number(buf: np.ndarray, i: int, table: np.ndarray) -> tuple[Bits, int]:
     return _bits(w, q, neg and (is_float or w != _U0), table), i
 
 
+# 10**k for k <= 22: exact doubles
+_POW10 = np.array([10.0**k for k in range(23)])
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _float_at(buf: np.ndarray, i: int, table: np.ndarray) -> tuple[float, int]:
+    """The JSON number at ``buf[i]`` as a float64 and its end (end -1: refused). A plain
+    decimal ``-?d+.d+`` with a significand below 2**53 and at most 22 decimals is
+    ``w / 10**k``: both exact, one correctly rounded division (Clinger's fast path), so the
+    float `_number` and orjson give; any other token goes to `_number`."""
+    j, n = i, buf.shape[0]
+    neg = j < n and buf[j] == 45
+    j += neg
+    w, digits, frac = nb.uint64(0), 0, -1
+    first = j
+    while j < n:
+        c = buf[j]
+        if 48 <= c <= 57:
+            w = w * nb.uint64(10) + nb.uint64(c - 48)
+            digits += 1
+        elif c == 46 and frac < 0 and digits > 0:
+            frac = digits
+        else:
+            break
+        j += 1
+    k = digits - frac
+    lead_ok = byte_at(buf, first) != 48 or frac == 1  # no leading zero before the point
+    if frac > 0 and 0 < k <= 22 and digits <= 18 and w < nb.uint64(1 << 53) and lead_ok:
+        c = byte_at(buf, j)
+        if c != 101 and c != 69:
+            value = float(w) / _POW10[k]
+            return (-value if neg else value), j
+    bits, j = _number(buf, i, table)
+    if bits == _REFUSED:
+        return 0.0, -1
+    return np.array([bits]).view(np.float64)[0], j
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def triples_into(
+    buf: np.ndarray, i: int, ids: np.ndarray, vals: np.ndarray, count: int, table: np.ndarray
+) -> tuple[int, int]:
+    """``[[logprob,id,null],...]`` at ``buf[i]`` appended to ``ids`` and ``vals`` (the
+    log-probs, the floats orjson gives) from ``count``; returns (new count, end), count -1
+    where the list does not read exactly that way or a log-prob is refused. ``table`` is
+    `POW5`; ``ids`` and ``vals`` have room for every triple the bytes can hold."""
+    if byte_at(buf, i) != _LB:
+        return -1, i
+    i += 1
+    if byte_at(buf, i) == _RB:
+        return count, i + 1
+    while True:
+        if byte_at(buf, i) != _LB:
+            return -1, i
+        value, i = _float_at(buf, i + 1, table)
+        if i < 0 or byte_at(buf, i) != _COMMA:
+            return -1, i
+        tid, i = id_null_at(buf, i + 1)
+        if tid < 0:
+            return -1, i
+        ids[count], vals[count] = tid, value
+        count += 1
+        c = byte_at(buf, i)
+        if c == _COMMA:
+            i += 1
+        elif c == _RB:
+            return count, i + 1
+        else:
+            return -1, i
+
+
 @nb.njit(cache=True, nogil=True)
 def triples_f64(
     buf: np.ndarray, pos: int, table: np.ndarray
@@ -235,32 +309,11 @@ def triples_f64(
     orjson). ``table`` is `POW5`."""
     cap = (buf.shape[0] - pos) // 10 + 1
     ids = np.empty(cap, dtype=np.int64)
-    bits = np.empty(cap, dtype=np.int64)
-    i, count = pos, 0
-    if byte_at(buf, i) != _LB:
-        return -1, i, ids[:0], bits.view(np.float64)[:0]
-    i += 1
-    if byte_at(buf, i) == _RB:
-        return 0, i + 1, ids[:0], bits.view(np.float64)[:0]
-    while True:
-        if byte_at(buf, i) != _LB:
-            return -1, i, ids[:0], bits.view(np.float64)[:0]
-        value, i = _number(buf, i + 1, table)
-        if value == _REFUSED or byte_at(buf, i) != _COMMA:
-            return -1, i, ids[:0], bits.view(np.float64)[:0]
-        tid, i = id_null_at(buf, i + 1)
-        if tid < 0:
-            return -1, i, ids[:0], bits.view(np.float64)[:0]
-        ids[count] = tid
-        bits[count] = value
-        count += 1
-        c = byte_at(buf, i)
-        if c == _COMMA:
-            i += 1
-        elif c == _RB:
-            return count, i + 1, ids[:count], bits.view(np.float64)[:count]
-        else:
-            return -1, i, ids[:0], bits.view(np.float64)[:0]
+    vals = np.empty(cap, dtype=np.float64)
+    count, end = triples_into(buf, pos, ids, vals, 0, table)
+    if count < 0:
+        return -1, end, ids[:0], vals[:0]
+    return count, end, ids[:count], vals[:count]
 
 
 def warm_up() -> None:
