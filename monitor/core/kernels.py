@@ -82,9 +82,10 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
     b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, layouts,
 ):  # fmt: skip
-    """KPop's pre-test (`kpop_maybe`, bounds on its Bernoulli KLs) is no longer here: it feeds
-    no sum, and out of this loop (in `kernels_seq.verl_segment`, same expression, same flags)
-    it frees registers for the ~30 accumulators (first pass 7.4 → 5.3 ms per 1M tokens).
+    """Only what feeds this pass's sums, extrema and counts, or the walk's buffers, is computed
+    here: KPop's pre-test (`kpop_maybe`), which feeds none of them, runs in
+    `kernels_seq.verl_segment` with the same expression under the same flags, leaving this
+    loop's registers to its ~30 accumulators.
 
     Its float sums are in the order LLVM's vectorisation gives this loop (read from
     `inspect_llvm`): 8 lanes, one accumulator each, lane l summing the chunk's tokens l, l + 8,
