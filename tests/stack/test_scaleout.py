@@ -137,11 +137,13 @@ def _run_load(s: Scaleout, started: float) -> None:
     victim = s.replicas[VICTIM]
     time.sleep(max(0.0, started + KILL_AT_S - time.monotonic()))
 
-    batches = f'timwatch_batches_total{{instance="{victim.url[7:]}"}}'
+    # the last batch count Prometheus scraped from this process: a scrape of a loaded replica
+    # can miss its 1 s timeout, and the failed scrape's staleness marker hides the earlier
+    # sample from an instant selector (a range selector skips the marker)
+    batches = f'last_over_time(timwatch_batches_total{{instance="{victim.url[7:]}"}}[60s])'
 
     def scraped() -> tuple[bool, Any]:
-        # the reset check below needs a batch count Prometheus took from this process (a scrape
-        # of a loaded replica can miss its 1 s timeout)
+        # the reset check below needs a batch count Prometheus took from this process
         got = s.query(s.prom, batches)
         return bool(got), got
 
