@@ -81,7 +81,7 @@ def _frame_end(buf: np.ndarray, words: np.ndarray, i: int) -> int:
     return -1
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=True, nogil=True, _nrt=False)
 def _learn(
     buf: np.ndarray,
     fs: int,
@@ -107,13 +107,12 @@ def _learn(
     return kf, kl, kt
 
 
-@nb.njit(cache=True, nogil=True)
-def _marks(buf: np.ndarray, hi: int) -> int:
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _marks(buf: np.ndarray, hi: int, flags: np.ndarray) -> int:
     """How many bytes of ``buf[:hi]`` are a newline, or a quote followed by ``fi``, ``ind`` or
     ``output_t``. Blocks of 4,096 positions are flagged without a branch, then summed (LLVM
     vectorises both loops; a sum taken in the first loop was not)."""
     top = max(hi - 8, 0)
-    flags = np.empty(4096, dtype=np.uint8)
     one, two, three = nb.uint64(1), nb.uint64(2), nb.uint64(3)
     total = nb.uint64(0)
     for base in range(0, top, 4096):
@@ -140,7 +139,7 @@ def _marks(buf: np.ndarray, hi: int) -> int:
     return count
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=True, nogil=True, _nrt=False)
 def _exact_marks(
     buf: np.ndarray,
     hi: int,
@@ -162,24 +161,25 @@ def _exact_marks(
     return count
 
 
-@nb.njit(cache=True, nogil=True)
-def _scan_deltas(
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _walk(
     buf: np.ndarray,
+    words: np.ndarray,
     small: int,
     p_data: np.ndarray,
     p_finish: np.ndarray,
     p_list: np.ndarray,
     p_total: np.ndarray,
-    p_top: np.ndarray,
-    p_index: np.ndarray,
     table: np.ndarray,
-) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, bool]:
+    rows: np.ndarray,
+    ids: np.ndarray,
+    vals: np.ndarray,
+) -> tuple[int, int, int, int, bool]:
+    """The delta frames ``buf`` starts with, into ``rows``, ``ids`` and ``vals``: ``(rows,
+    consumed, values, frames, stopped)``. Allocates nothing, so it is compiled without
+    reference counting (each array access in a loop of inlined helpers otherwise costs an
+    atomic increment and decrement)."""
     n = buf.shape[0]
-    rows = np.empty((n // 300 + 2, 7), dtype=np.int64)
-    ids = np.empty(n // 10 + 1, dtype=np.int64)
-    vals = np.empty(n // 10 + 1, dtype=np.float64)
-    words = buf[: n - n % 8].view(np.uint64) if n >= 8 else np.empty(0, np.uint64)
-    declined = (rows[:0], -1, ids[:0], vals[:0], False)
     count, start, r, frames, length, stopped = 0, 0, 0, 0, 0, False
     lt, lf = -1, -1  # the template: total key from the end, finish key back from the list key
     m_total, m_list, m_finish = p_total.shape[0], p_list.shape[0], p_finish.shape[0]
@@ -223,25 +223,49 @@ def _scan_deltas(
         if total < 0 or got < 0 or e != kt - 1:
             stopped = True
             break
-        frames += 1
         p = r - 1
         if p >= 0 and rows[p, 4] + got - count == total and rows[p, 1] == fs:
             rows[p, 1], rows[p, 4], rows[p, 5] = end, total, rows[p, 5] + got - count
         else:
             if r == rows.shape[0]:
-                rows = np.concatenate((rows, np.empty_like(rows)))
+                stopped = True  # no room for another row: the rest is for scan_frames
+                break
             rows[r, 0], rows[r, 1], rows[r, 2], rows[r, 3] = fs, end, 1, 0
             rows[r, 4], rows[r, 5], rows[r, 6] = total, got - count, count
             r += 1
+        frames += 1
         count = got
         start = end
+    return r, start, count, frames, stopped
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_deltas(
+    buf: np.ndarray,
+    small: int,
+    p_data: np.ndarray,
+    p_finish: np.ndarray,
+    p_list: np.ndarray,
+    p_total: np.ndarray,
+    p_top: np.ndarray,
+    p_index: np.ndarray,
+    table: np.ndarray,
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, bool]:
+    n = buf.shape[0]
+    rows = np.empty((n // 64 + 2, 7), dtype=np.int64)
+    ids = np.empty(n // 10 + 1, dtype=np.int64)
+    vals = np.empty(n // 10 + 1, dtype=np.float64)
+    words = buf[: n - n % 8].view(np.uint64) if n >= 8 else np.empty(0, np.uint64)
+    r, start, count, frames, stopped = _walk(
+        buf, words, small, p_data, p_finish, p_list, p_total, table, rows, ids, vals
+    )
     # every frame read holds at least its "finish_reason":, its two "output_token_logprobs…
     # keys and its ending "\n\n": exactly 5 marks per frame leave room for no other
-    if _marks(buf, start) != 5 * frames:
+    if _marks(buf, start, np.empty(4096, dtype=np.uint8)) != 5 * frames:
         # a string starting like a key (a token's text "fi…"): count the keys themselves
         keys = (p_finish, p_list, p_total, p_top, p_index)
         if _exact_marks(buf, start, keys) != 5 * frames:
-            return declined
+            return rows[:0], -1, ids[:0], vals[:0], False
     return rows[:r], start, ids[:count], vals[:count], stopped
 
 

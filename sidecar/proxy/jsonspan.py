@@ -95,33 +95,31 @@ PARENT, DEPTH, KEY_START, KEY_END, VALUE_START, VALUE_END, INDEX = range(7)
 _OBJ, _ARR = 0, 1
 
 
-@nb.njit(cache=True, nogil=True)
-def walk(buf: np.ndarray, max_depth: int, max_array_depth: int) -> np.ndarray:
-    """Every value of the document at ``buf[0]`` down to ``max_depth``, in one pass.
-
-    One row per value (columns ``PARENT`` … ``INDEX``): the row of its container (-1 for the
-    root), its depth (root 0), its key's span without quotes (-1 in an array), its own span, and
-    its position in its container. Objects deeper than ``max_depth`` and arrays deeper than
-    ``max_array_depth`` are skipped whole (their items get no rows).
-    Returns an empty array when the bytes are not one JSON object."""
-    bad = np.empty((0, 7), dtype=np.int64)
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _walk_into(  # noqa: C901
+    buf: np.ndarray,
+    max_depth: int,
+    max_array_depth: int,
+    rows: np.ndarray,
+    st_row: np.ndarray,
+    st_kind: np.ndarray,
+    st_count: np.ndarray,
+) -> int:
+    """`walk` into ``rows``: how many rows, -1 when the bytes are not one JSON object, -2 when
+    ``rows`` is too short (the caller walks again with a longer one)."""
     n = buf.shape[0]
     i = _ws(buf, 0)
     if i >= n or buf[i] != _LC:
-        return bad
-    rows = np.empty((64, 7), dtype=np.int64)
+        return -1
     rows[0, 0], rows[0, 1], rows[0, 2], rows[0, 3] = -1, 0, -1, -1
     rows[0, 4], rows[0, 5], rows[0, 6] = i, -1, 0
     r = 1
-    st_row = np.empty(max_depth + 2, dtype=np.int64)
-    st_kind = np.empty(max_depth + 2, dtype=np.int64)
-    st_count = np.empty(max_depth + 2, dtype=np.int64)
     st_row[0], st_kind[0], st_count[0] = 0, _OBJ, 0
     sp = 1
     i = _ws(buf, i + 1)
     while sp > 0:
         if i >= n:
-            return bad
+            return -1
         c = buf[i]
         kind = st_kind[sp - 1]
         if (kind == _OBJ and c == _RC) or (kind == _ARR and c == _RB):
@@ -129,7 +127,7 @@ def walk(buf: np.ndarray, max_depth: int, max_array_depth: int) -> np.ndarray:
             sp -= 1
             i = _ws(buf, i + 1)
             if sp == 0:
-                return rows[:r] if i == n else bad
+                return r if i == n else -1
             if i < n and buf[i] == _COMMA:
                 i = _ws(buf, i + 1)
             continue
@@ -137,19 +135,17 @@ def walk(buf: np.ndarray, max_depth: int, max_array_depth: int) -> np.ndarray:
         v = i
         if kind == _OBJ:
             if c != _QUOTE:
-                return bad
+                return -1
             k_end = _string_end(buf, i)
             if k_end < 0:
-                return bad
+                return -1
             ks, ke = i + 1, k_end - 1
             j = _ws(buf, k_end)
             if j >= n or buf[j] != _COLON:
-                return bad
+                return -1
             v = _ws(buf, j + 1)
         if r == rows.shape[0]:
-            bigger = np.empty((2 * r, 7), dtype=np.int64)
-            bigger[:r] = rows
-            rows = bigger
+            return -2
         row = r
         r += 1
         rows[row, 0], rows[row, 1], rows[row, 2], rows[row, 3] = st_row[sp - 1], sp, ks, ke
@@ -163,14 +159,35 @@ def walk(buf: np.ndarray, max_depth: int, max_array_depth: int) -> np.ndarray:
             continue
         e = skip_value(buf, v)
         if e < 0:
-            return bad
+            return -1
         rows[row, 5] = e
         i = _ws(buf, e)
         if i < n and buf[i] == _COMMA:
             i = _ws(buf, i + 1)
         elif i >= n or (buf[i] != _RC and buf[i] != _RB):
-            return bad
-    return bad
+            return -1
+    return -1
+
+
+@nb.njit(cache=True, nogil=True)
+def walk(buf: np.ndarray, max_depth: int, max_array_depth: int) -> np.ndarray:
+    """Every value of the document at ``buf[0]`` down to ``max_depth``, in one pass.
+
+    One row per value (columns ``PARENT`` … ``INDEX``): the row of its container (-1 for the
+    root), its depth (root 0), its key's span without quotes (-1 in an array), its own span, and
+    its position in its container. Objects deeper than ``max_depth`` and arrays deeper than
+    ``max_array_depth`` are skipped whole (their items get no rows).
+    Returns an empty array when the bytes are not one JSON object."""
+    st_row = np.empty(max_depth + 2, dtype=np.int64)
+    st_kind = np.empty(max_depth + 2, dtype=np.int64)
+    st_count = np.empty(max_depth + 2, dtype=np.int64)
+    size = 64
+    while True:
+        rows = np.empty((size, 7), dtype=np.int64)
+        r = _walk_into(buf, max_depth, max_array_depth, rows, st_row, st_kind, st_count)
+        if r != -2:
+            return rows[: max(r, 0)]
+        size *= 4
 
 
 @nb.njit(cache=True, nogil=True)
@@ -179,36 +196,45 @@ def member_numbers(buf: np.ndarray, i: int, key: np.ndarray) -> tuple[int, np.nd
     ``[v0,v1,...]`` holding, in order, each object's value of member ``key`` (bytes, no
     quotes) copied verbatim. count -1: not an array of objects that all have that member
     with a scalar value."""
+    out = np.empty(buf.shape[0] - i + 2, dtype=np.uint8)
+    count, length = _member_numbers_into(buf, i, key, out)
+    return count, out[:length]
+
+
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _member_numbers_into(  # noqa: C901
+    buf: np.ndarray, i: int, key: np.ndarray, out: np.ndarray
+) -> tuple[int, int]:
+    """`member_numbers` into ``out``: ``(count, length of the JSON in out)``."""
     n = buf.shape[0]
-    out = np.empty(n - i + 2, dtype=np.uint8)
     out[0] = _LB
     f = 1
     count = 0
     m = key.shape[0]
     if i >= n or buf[i] != _LB:
-        return -1, out[:0]
+        return -1, 0
     i = _ws(buf, i + 1)
     if i < n and buf[i] == _RB:
         out[1] = _RB
-        return 0, out[:2]
+        return 0, 2
     while True:
         if i >= n or buf[i] != _LC:
-            return -1, out[:0]
+            return -1, 0
         found = False
         j = _ws(buf, i + 1)
         while True:
             if j >= n or buf[j] != _QUOTE:
-                return -1, out[:0]
+                return -1, 0
             k_end = _string_end(buf, j)
             if k_end < 0:
-                return -1, out[:0]
+                return -1, 0
             c = _ws(buf, k_end)
             if c >= n or buf[c] != _COLON:
-                return -1, out[:0]
+                return -1, 0
             v = _ws(buf, c + 1)
             e = skip_value(buf, v)
             if e < 0:
-                return -1, out[:0]
+                return -1, 0
             if not found and k_end - 1 - (j + 1) == m:
                 same = True
                 for t in range(m):
@@ -218,7 +244,7 @@ def member_numbers(buf: np.ndarray, i: int, key: np.ndarray) -> tuple[int, np.nd
                 if same:
                     d = buf[v]
                     if d == _QUOTE or d == _LB or d == _LC:
-                        return -1, out[:0]
+                        return -1, 0
                     for t in range(v, e):
                         out[f] = buf[t]
                         f += 1
@@ -231,9 +257,9 @@ def member_numbers(buf: np.ndarray, i: int, key: np.ndarray) -> tuple[int, np.nd
             elif j < n and buf[j] == _RC:
                 break
             else:
-                return -1, out[:0]
+                return -1, 0
         if not found:
-            return -1, out[:0]
+            return -1, 0
         count += 1
         i = _ws(buf, j + 1)
         if i < n and buf[i] == _COMMA:
@@ -241,8 +267,8 @@ def member_numbers(buf: np.ndarray, i: int, key: np.ndarray) -> tuple[int, np.nd
         elif i < n and buf[i] == _RB:
             if f == 1:
                 out[1] = _RB
-                return count, out[:2]
+                return count, 2
             out[f - 1] = _RB
-            return count, out[:f]
+            return count, f
         else:
-            return -1, out[:0]
+            return -1, 0

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
 
 from timwatch.sidecar.proxy.scan import byte_at, id_null_at, scan_ints, scan_rows, scan_triples
 
@@ -229,6 +231,16 @@ def _number(buf: np.ndarray, i: int, table: np.ndarray) -> tuple[Bits, int]:
     return _bits(w, q, neg and (is_float or w != _U0), table), i
 
 
+@intrinsic
+def _as_f64(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float64 whose IEEE-754 bits are the int64 ``bits`` (a register move, no array)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], context.get_value_type(types.float64))
+
+    return types.float64(types.int64), codegen
+
+
 # 10**k for k <= 22: exact doubles
 _POW10 = np.array([10.0**k for k in range(23)])
 
@@ -264,10 +276,10 @@ def _float_at(buf: np.ndarray, i: int, table: np.ndarray) -> tuple[float, int]:
     bits, j = _number(buf, i, table)
     if bits == _REFUSED:
         return 0.0, -1
-    return np.array([bits]).view(np.float64)[0], j
+    return _as_f64(bits), j
 
 
-@nb.njit(cache=True, nogil=True, inline="always")
+@nb.njit(cache=True, nogil=True, _nrt=False)
 def triples_into(
     buf: np.ndarray, i: int, ids: np.ndarray, vals: np.ndarray, count: int, table: np.ndarray
 ) -> tuple[int, int]:

@@ -65,7 +65,7 @@ def id_null_at(buf: np.ndarray, i: int) -> tuple[int, int]:
     return value, i + 5
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=True, nogil=True, _nrt=False)
 def _list_of_triples(
     buf: np.ndarray, i: int, ids: np.ndarray, count: int, out: np.ndarray, f: int
 ) -> tuple[int, int, int]:
@@ -105,7 +105,7 @@ def _list_of_triples(
             return -1, i, f
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=True, nogil=True, _nrt=False)
 def _close(out: np.ndarray, f: int) -> int:
     """Turn ``tok,tok,`` at ``out[1:f]`` into ``[tok,tok]``; returns its length."""
     out[0] = _LB
@@ -128,75 +128,90 @@ def scan_triples(buf: np.ndarray, pos: int) -> tuple[int, int, np.ndarray, np.nd
     return count, end, ids[:count], out[: _close(out, f)]
 
 
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _rows_into(
+    buf: np.ndarray, pos: int, ids: np.ndarray, out: np.ndarray
+) -> tuple[int, int, int, int]:
+    """``(rows, k, end, length of the floats' JSON in out)`` for `scan_rows`; rows -1: refused."""
+    if byte_at(buf, pos) != _LB:
+        return -1, 0, pos, 0
+    i, f, rows, total, k = pos + 1, 1, 0, 0, -1
+    if byte_at(buf, i) == _RB:
+        return 0, 0, i + 1, _close(out, f)
+    while True:
+        before = total
+        total, i, f = _list_of_triples(buf, i, ids, total, out, f)
+        if total < 0:
+            return -1, 0, i, 0
+        if k < 0:
+            k = total - before
+        elif total - before != k:
+            return -1, 0, i, 0
+        rows += 1
+        c = byte_at(buf, i)
+        if c == _COMMA:
+            i += 1
+        elif c == _RB:
+            return rows, k, i + 1, _close(out, f)
+        else:
+            return -1, 0, i, 0
+
+
 @nb.njit(cache=True, nogil=True)
 def scan_rows(buf: np.ndarray, pos: int) -> tuple[int, int, int, np.ndarray]:
     """``(rows, k, end, floats_json)`` for equal-length top-k rows at ``buf[pos]``; rows -1:
     refused (a null row, rows of different lengths, anything but the triple shape)."""
     ids = np.empty((buf.shape[0] - pos) // 10 + 1, dtype=np.int64)
     out = np.empty(buf.shape[0] - pos + 2, dtype=np.uint8)
-    if byte_at(buf, pos) != _LB:
-        return -1, 0, pos, out[:0]
-    i, f, rows, total, k = pos + 1, 1, 0, 0, -1
-    if byte_at(buf, i) == _RB:
-        return 0, 0, i + 1, out[: _close(out, f)]
-    while True:
-        before = total
-        total, i, f = _list_of_triples(buf, i, ids, total, out, f)
-        if total < 0:
-            return -1, 0, i, out[:0]
-        if k < 0:
-            k = total - before
-        elif total - before != k:
-            return -1, 0, i, out[:0]
-        rows += 1
-        c = byte_at(buf, i)
-        if c == _COMMA:
-            i += 1
-        elif c == _RB:
-            return rows, k, i + 1, out[: _close(out, f)]
-        else:
-            return -1, 0, i, out[:0]
+    rows, k, end, length = _rows_into(buf, pos, ids, out)
+    return rows, k, end, out[:length]
 
 
-@nb.njit(cache=True, nogil=True)
-def scan_ints(buf: np.ndarray, pos: int) -> tuple[int, int, np.ndarray]:
-    """``(count, end, values)`` for a list of non-negative ints at ``buf[pos]``; -1: refused."""
-    vals = np.empty((buf.shape[0] - pos) // 2 + 1, dtype=np.int64)
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _ints_into(buf: np.ndarray, pos: int, vals: np.ndarray) -> tuple[int, int]:
+    """``(count, end)`` of the list of non-negative ints at ``buf[pos]``, read into ``vals``;
+    count -1: refused."""
     if byte_at(buf, pos) != _LB:
-        return -1, pos, vals[:0]
+        return -1, pos
     i, count = pos + 1, 0
     if byte_at(buf, i) == _RB:
-        return 0, i + 1, vals[:0]
+        return 0, i + 1
     while True:
         value, j = 0, i
         while j < buf.shape[0] and 48 <= buf[j] <= 57 and j - i < 18:
             value = value * 10 + int(buf[j] - 48)
             j += 1
         if j == i:
-            return -1, i, vals[:0]
+            return -1, i
         vals[count] = value
         count += 1
         c = byte_at(buf, j)
         if c == _COMMA:
             i = j + 1
         elif c == _RB:
-            return count, j + 1, vals[:count]
+            return count, j + 1
         else:
-            return -1, j, vals[:0]
+            return -1, j
 
 
 @nb.njit(cache=True, nogil=True)
-def _mark_flags(buf: np.ndarray) -> np.ndarray:
-    """1 at every position of ``buf`` holding a newline or a quote before ``o``, ``f`` or
-    ``i`` (where a frame may end or a wanted key start), else 0; zero-padded to whole 8-byte
-    words plus one. One pass with no branch and unsigned indices: LLVM vectorises it."""
+def scan_ints(buf: np.ndarray, pos: int) -> tuple[int, int, np.ndarray]:
+    """``(count, end, values)`` for a list of non-negative ints at ``buf[pos]``; -1: refused."""
+    vals = np.empty((buf.shape[0] - pos) // 2 + 1, dtype=np.int64)
+    count, end = _ints_into(buf, pos, vals)
+    return count, end, vals[: max(count, 0)]
+
+
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _mark_flags(buf: np.ndarray, flags: np.ndarray) -> None:
+    """Set to 1 in ``flags`` (zeroed, whole 8-byte words plus one) every position of ``buf``
+    holding a newline or a quote before ``o``, ``f`` or ``i`` (where a frame may end or a
+    wanted key start). One pass with no branch and unsigned indices: LLVM vectorises it."""
     n = buf.shape[0]
-    flags = np.zeros((n + 15) // 8 * 8, dtype=np.uint8)
     one = nb.uint64(1)
     for k in range(nb.uint64(max(n - 1, 0))):
         c, d = buf[k], buf[k + one]
         flags[k] = (c == 10) | ((c == 34) & ((d == 111) | (d == 102) | (d == 105)))
-    return flags
 
 
 @nb.njit(cache=True, nogil=True, inline="always")
@@ -256,8 +271,8 @@ def _matches(buf: np.ndarray, i: int, hi: int, pat: np.ndarray) -> bool:
     return True
 
 
-@nb.njit(cache=True, nogil=True)
-def _scan_frames(
+@nb.njit(cache=True, nogil=True, _nrt=False)
+def _frames_into(
     buf: np.ndarray,
     small: int,
     p_data: np.ndarray,
@@ -266,14 +281,15 @@ def _scan_frames(
     p_index: np.ndarray,
     p_total: np.ndarray,
     p_list: np.ndarray,
-) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    flags: np.ndarray,
+    words: np.ndarray,
+    rows: np.ndarray,
+    ids: np.ndarray,
+    out: np.ndarray,
+) -> tuple[int, int, int, int]:
+    """`_scan_frames`' loop: ``(rows, consumed, ids, length of the floats' JSON)``."""
     n = buf.shape[0]
-    rows = np.empty((n // 14 + 1, 7), dtype=np.int64)  # a frame is at least "data: {}\n\n"
-    ids = np.empty(n // 10 + 1, dtype=np.int64)
-    out = np.empty(n + 2, dtype=np.uint8)
     count, f, start, r = 0, 1, 0, 0
-    flags = _mark_flags(buf)
-    words = flags.view(np.uint64)
     while start < n - 1:
         fs = start
         data = _matches(buf, fs, n, p_data)
@@ -339,7 +355,31 @@ def _scan_frames(
             q = r - 1
             rows[q, 2], rows[q, 3], rows[q, 4], rows[q, 5] = 1, index, total, got - count
         count, f = got, f2
-    return rows[:r], start, ids[:count], out[: _close(out, f)]
+    return r, start, count, _close(out, f)
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_frames(
+    buf: np.ndarray,
+    small: int,
+    p_data: np.ndarray,
+    p_top: np.ndarray,
+    p_finish: np.ndarray,
+    p_index: np.ndarray,
+    p_total: np.ndarray,
+    p_list: np.ndarray,
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    n = buf.shape[0]
+    rows = np.empty((n // 14 + 1, 7), dtype=np.int64)  # a frame is at least "data: {}\n\n"
+    ids = np.empty(n // 10 + 1, dtype=np.int64)
+    out = np.empty(n + 2, dtype=np.uint8)
+    flags = np.zeros((n + 15) // 8 * 8, dtype=np.uint8)
+    _mark_flags(buf, flags)
+    words = flags.view(np.uint64)
+    r, start, count, length = _frames_into(
+        buf, small, p_data, p_top, p_finish, p_index, p_total, p_list, flags, words, rows, ids, out
+    )
+    return rows[:r], start, ids[:count], out[:length]
 
 
 def scan_frames(
