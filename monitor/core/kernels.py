@@ -77,7 +77,7 @@ def _aligned_i64(n):  # type: ignore[no-untyped-def]
     return raw[off : off + n]
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy", fastmath=_FASTMATH)
 def _vector_phase(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, n, params, fsum, fext, cnt,
     b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, layouts,
@@ -195,7 +195,7 @@ def _vector_phase(  # type: ignore[no-untyped-def]
     cnt[_C_TOK + 4] += n_tis
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def _chunk(  # type: ignore[no-untyped-def]
     x_mu, x_pi, x_h, x_on, cu, n, c0, c1, params, fsum, fext, cnt,
     b_d, b_k3, b_rm1, b_r, b_q, b_score, b_fb, b_kp, layouts,

@@ -89,7 +89,7 @@ def kpop_maybe(p, q, lp, lq, phi_lo):  # type: ignore[no-untyped-def]
     return chi2 & (max(ub_a, ub_b) > phi_lo)
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy", fastmath=_FASTMATH)
 def verl_segment(  # type: ignore[no-untyped-def]
     j0, j1, x_mu, x_pi, x_on, b_d, b_rm1, b_r, b_k3, b_q, b_kp, params, vacc, fsum, cnt,
 ):  # fmt: skip
@@ -181,7 +181,7 @@ def verl_segment(  # type: ignore[no-untyped-def]
     return n_on
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def top_k(c0, m, x_on, b_score, worst_score, worst_index, wmin):  # type: ignore[no-untyped-def]
     """The chunk's masked tokens into the top-k by score (worst_index: their batch positions),
     in token order: a token replaces the minimal slot `wmin` (the first minimal one) when its
@@ -207,7 +207,7 @@ def top_k(c0, m, x_on, b_score, worst_score, worst_index, wmin):  # type: ignore
     return wmin
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def verl_close(vacc, fsum, fext, cnt, params):  # type: ignore[no-untyped-def]
     """verl's per-sequence statistics and its five sequence rejection modes for the sequence in
     `vacc` (n_s > 0), then reset `vacc`."""
@@ -247,7 +247,7 @@ def verl_close(vacc, fsum, fext, cnt, params):  # type: ignore[no-untyped-def]
     vacc[:] = 0.0
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def start_segments(cu, n, vst):  # type: ignore[no-untyped-def]
     """vst = (first sequence with tokens, its end)."""
     nseq = cu.shape[0] - 1

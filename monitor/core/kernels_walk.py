@@ -76,7 +76,9 @@ def kpop_reject(p, q, lp, lq, phi):  # type: ignore[no-untyped-def]
     return max(pc * (lp - lq) + (1.0 - pc) * lam, qc * (lq - lp) - (1.0 - qc) * lam) > phi
 
 
-@njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "nsz", "contract"})
+@njit(
+    cache=True, nogil=True, _nrt=False, error_model="numpy", fastmath={"reassoc", "nsz", "contract"}
+)
 def _kpop_near(rare, n_rare, b_kp, b_q, x_mu, x_pi, x_on, cnt, phi):  # type: ignore[no-untyped-def]
     """`kpop_reject` of the chunk's KPop candidates (b_kp = e^π ≥ 0, |δ| ≤ 20) with the first
     vector pass's fast-math flags: the same expression under the same flags, so the decision
@@ -93,7 +95,7 @@ def _kpop_near(rare, n_rare, b_kp, b_q, x_mu, x_pi, x_on, cnt, phi):  # type: ig
     cnt[_C_TOK + 3] += n_kpop
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi):  # type: ignore[no-untyped-def]
     """The chunk's |δ| > 20 tokens, in token order: probabilities from e^π itself (the vector
     passes skipped them), added after the chunk's vector sums, as before."""
@@ -116,7 +118,7 @@ def _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi):  # type: ignore[n
             fsum[_F_PD2 + 5] += ep * q
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def close_sequence(  # type: ignore[no-untyped-def]
     n_s, big_l, k3_s, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
 ):  # fmt: skip
@@ -149,7 +151,7 @@ def close_sequence(  # type: ignore[no-untyped-def]
         cnt[_C_SEQR + 2] += 1
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def finish_sequence(  # type: ignore[no-untyped-def]
     wst, wacc, fsum, fext, cnt, lb_seqs, lb_tokens, lb_abs_l, lb_k3, params,
 ):  # fmt: skip
@@ -165,7 +167,7 @@ def finish_sequence(  # type: ignore[no-untyped-def]
     wacc[:] = 0.0
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     cu, n, c0, c1, x_mu, x_pi, x_h, x_on, b_d, b_k3, b_score, b_fb, b_q, b_kp, params,
     b_rm1, b_r, fsum, fext, cnt, wst, wacc, lb_seqs, lb_tokens, lb_abs_l, lb_k3,
@@ -270,7 +272,7 @@ def walk_chunk(  # type: ignore[no-untyped-def]  # noqa: C901
     _far(rare, n_rare, b_d, x_mu, x_pi, fsum, fext, cnt, phi)
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
+@njit(cache=True, nogil=True, _nrt=False, error_model="numpy")
 def fold_fine(  # type: ignore[no-untyped-def]
     ad2, prom4, heat2, hist_ad, prom_ad, prom_s, heat_all, heat_rej, ad_table,
 ):  # fmt: skip
