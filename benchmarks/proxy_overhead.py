@@ -31,7 +31,7 @@ def _port() -> int:
 def _start(args: list[str], ready: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env)
-    for _ in range(300):
+    for _ in range(1200):  # numba compiles the scanners on a cold cache (~40-60 s here)
         try:
             if httpx.get(ready, timeout=1).status_code == 200:
                 return proc

@@ -48,7 +48,7 @@ def _start(stack: ExitStack, args: list[str], ready: str | None) -> subprocess.P
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     stack.callback(proc.wait, 10)
     stack.callback(proc.terminate)
-    for _ in range(300):
+    for _ in range(1200):  # numba compiles the scanners on a cold cache (~40-60 s here)
         if ready is None:
             return proc
         try:

@@ -70,7 +70,7 @@ def _start(stack: ExitStack, core: int, args: list[str], ready: str) -> int:
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     stack.callback(proc.wait, 10)
     stack.callback(proc.terminate)
-    for _ in range(300):
+    for _ in range(1200):  # numba compiles the scanners on a cold cache (~40-60 s here)
         try:
             if httpx.get(ready, timeout=1).status_code == 200:
                 return proc.pid

@@ -40,7 +40,7 @@ def _hex(c: int) -> int:
     return -1
 
 
-@nb.njit(cache=True, nogil=True)
+@nb.njit(cache=True, nogil=True, _nrt=False)
 def _dechunk(buf: np.ndarray, out: np.ndarray, state: np.ndarray) -> int:
     """Append the body bytes in ``buf`` to ``out`` (as long as ``buf``); returns their count.
     ``state`` is (phase, bytes left in the chunk or the size so far, size digits seen, where
