@@ -1,0 +1,97 @@
+"""CPU of the SGLang proxy's compiled scanners, in process, on the stand-in's bytes.
+
+The answer and the incremental stream are `benchmarks/sglang_standin.py`'s (SGLang's compact
+orjson bytes, ``return_logprob``, no top-k). Timed, best of ``--repeat`` calls:
+
+* ``triples_f64``: the ``[[logprob,id,null],...]`` list of one non-streamed answer read into an
+  id array and a float64 array;
+* ``dechunk``: one incremental stream's chunked body undone, in reads of ``--read`` bytes;
+* ``scan_deltas``: the same stream's de-chunked reads cut into frames and read (the frame begun
+  at the end of one read joined to the next, as `relay.StreamReads` does).
+
+Numba's version is printed: the scanners' speed depends on it (docs/performance.md).
+
+    python benchmarks/scanner_cost.py [--tokens 4096] [--read 262144] [--repeat 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import sglang_standin as standin  # noqa: E402
+
+from timwatch.sidecar.proxy.dechunk import Dechunker  # noqa: E402
+from timwatch.sidecar.proxy.deltascan import scan_deltas, warm_up  # noqa: E402
+from timwatch.sidecar.proxy.numparse import POW5, triples_f64  # noqa: E402
+
+
+def best_ms(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--read", type=int, default=262144, help="bytes per network read")
+    ap.add_argument("--repeat", type=int, default=100)
+    args = ap.parse_args()
+    n, shape = args.tokens, (True, 0, False)
+    answers = standin.Answers()
+    answer = standin._answer(answers.pieces(n, True, 0), n, 0, n, shape, b"%032x" % 1, True, b"[1]")
+    raw = b"%032x" % 2
+    raw = raw.join(standin.Streams(answers, incremental=True).segments(n, shape, b"[1]"))
+    reads = [raw[i : i + args.read] for i in range(0, len(raw), args.read)]
+    warm_up()
+
+    key = b'"output_token_logprobs":'
+    u8 = np.frombuffer(answer, np.uint8)
+    at = answer.find(key) + len(key)
+    count = triples_f64(u8, at, POW5)[0]
+    assert count == n, count
+
+    def dechunk() -> list[bytes]:
+        d = Dechunker()
+        return [d.feed_raw(r)[0] for r in reads]
+
+    bodies = dechunk()
+
+    def scan() -> int:
+        tail, tokens = b"", 0
+        for body in bodies:
+            buf = tail + body
+            _, used, ids, _, _ = scan_deltas(np.frombuffer(buf, np.uint8), 4096)
+            tokens += len(ids)
+            tail = buf[max(used, 0) :]
+        return tokens
+
+    # the last frame (finished) is for the general scan: every other token is read here
+    assert scan() == n - 1, scan()
+    print(
+        f"numba {numba.__version__}; {n}-token answer {len(answer):,} bytes, incremental stream "
+        f"{len(raw):,} bytes in {len(reads)} reads of {args.read:,}"
+    )
+    rows = (
+        ("triples_f64 (one answer)", lambda: triples_f64(u8, at, POW5)),
+        ("dechunk (one stream)", dechunk),
+        ("scan_deltas (one stream)", scan),
+    )
+    for name, fn in rows:
+        print(f"{name:26} {best_ms(fn, args.repeat):7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
