@@ -146,6 +146,17 @@ class VllmProcess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def check_alive(self, grace_s: float = 5.0) -> None:
+        """Raise with the exit code and the end of the server's log if it has exited (waiting
+        up to ``grace_s`` for a process that is going down); return if it still runs."""
+        if self.proc is None:
+            return
+        try:
+            code = self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return
+        raise RuntimeError(f"vLLM exited with {code}:\n{self.output()[-6000:]}")
+
     def _wait_ready(self, deadline: float) -> None:
         assert self.proc is not None
         while True:

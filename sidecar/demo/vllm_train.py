@@ -30,6 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
@@ -220,7 +221,11 @@ class VllmDemoTrainer:
             self.cond.notify_all()
             # land the reload inside a request: wait until one has tokens of the old weights
             self.cond.wait_for(lambda: any(n >= 1 for n in self.progress.values()), timeout=30)
-        self.engine.reload(out, str(version))
+        try:
+            self.engine.reload(out, str(version))
+        except httpx.TransportError:
+            self.server.check_alive()  # a server that died says why, with its log
+            raise
         self.history[version] = _copy_state(self.model)
         for old in [v for v in self.history if v <= version - KEEP_VERSIONS]:
             del self.history[old]
