@@ -147,7 +147,8 @@ class VllmProcess:
         return self.log.read_text(errors="replace")
 
     def check_alive(self, grace_s: float = 5.0) -> None:
-        """Raise with the exit code and the end of the server's log if it has exited (waiting
+        """Raise with the exit code, the log from its first error (the root cause: vLLM's API
+        server logs its own error last) and the log's end if the server has exited (waiting
         up to ``grace_s`` for a process that is going down); return if it still runs."""
         if self.proc is None:
             return
@@ -155,7 +156,10 @@ class VllmProcess:
             code = self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             return
-        raise RuntimeError(f"vLLM exited with {code}:\n{self.output()[-6000:]}")
+        log = self.output()
+        first = min((i for i in (log.find("Traceback"), log.find(" ERROR ")) if i >= 0), default=-1)
+        cause = f"first error:\n{log[first : first + 4000]}\n...\n" if first >= 0 else ""
+        raise RuntimeError(f"vLLM exited with {code}:\n{cause}end of its log:\n{log[-3000:]}")
 
     def _wait_ready(self, deadline: float) -> None:
         assert self.proc is not None

@@ -25,8 +25,20 @@ def _server(tmp_path: Path, code: str) -> VllmProcess:
 
 def test_an_exited_server_raises_with_its_code_and_log(tmp_path: Path) -> None:
     server = _server(tmp_path, "print('engine core died: out of memory'); raise SystemExit(3)")
-    with pytest.raises(RuntimeError, match=r"exited with 3:\n.*engine core died: out of memory"):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 3:.*engine core died: out of memory"):
         server.check_alive()
+
+
+def test_the_first_error_is_shown_before_the_end_of_the_log(tmp_path: Path) -> None:
+    code = (
+        "print('Traceback (most recent call last):\\n  root cause: reload failed');"
+        "print('x' * 5000); print('API server: EngineDeadError'); raise SystemExit(0)"
+    )
+    with pytest.raises(RuntimeError) as caught:
+        _server(tmp_path, code).check_alive()
+    text = str(caught.value)
+    assert "root cause: reload failed" in text
+    assert text.index("root cause") < text.index("EngineDeadError")
 
 
 def test_a_running_server_passes(tmp_path: Path) -> None:
