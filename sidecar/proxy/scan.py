@@ -287,7 +287,7 @@ def _frames_into(
     ids: np.ndarray,
     out: np.ndarray,
 ) -> tuple[int, int, int, int]:
-    """`_scan_frames`' loop: ``(rows, consumed, ids, length of the floats' JSON)``."""
+    """`scan_frames`' loop: ``(rows, consumed, ids, length of the floats' JSON)``."""
     n = buf.shape[0]
     count, f, start, r = 0, 1, 0, 0
     while start < n - 1:
@@ -358,30 +358,6 @@ def _frames_into(
     return r, start, count, _close(out, f)
 
 
-@nb.njit(cache=True, nogil=True)
-def _scan_frames(
-    buf: np.ndarray,
-    small: int,
-    p_data: np.ndarray,
-    p_top: np.ndarray,
-    p_finish: np.ndarray,
-    p_index: np.ndarray,
-    p_total: np.ndarray,
-    p_list: np.ndarray,
-) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-    n = buf.shape[0]
-    rows = np.empty((n // 14 + 1, 7), dtype=np.int64)  # a frame is at least "data: {}\n\n"
-    ids = np.empty(n // 10 + 1, dtype=np.int64)
-    out = np.empty(n + 2, dtype=np.uint8)
-    flags = np.zeros((n + 15) // 8 * 8, dtype=np.uint8)
-    _mark_flags(buf, flags)
-    words = flags.view(np.uint64)
-    r, start, count, length = _frames_into(
-        buf, small, p_data, p_top, p_finish, p_index, p_total, p_list, flags, words, rows, ids, out
-    )
-    return rows[:r], start, ids[:count], out[:length]
-
-
 def scan_frames(
     buf: np.ndarray, small: int = 4096
 ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
@@ -392,4 +368,14 @@ def scan_frames(
     `KIND_DELTA` frame, frame after frame (row ``FRAME_AT`` is where a frame's start). A
     frame is `KIND_DELTA` only if it is at most ``small`` bytes, unfinished, without top-k rows,
     and its list reads exactly; every other ``data: {`` frame is `KIND_OTHER`."""
-    return _scan_frames(buf, small, _P_DATA, _P_TOP, _P_FINISH, _P_INDEX, _P_TOTAL, _P_LIST)
+    n = buf.shape[0]
+    rows = np.empty((n // 14 + 1, 7), dtype=np.int64)  # a frame is at least "data: {}\n\n"
+    ids = np.empty(n // 10 + 1, dtype=np.int64)
+    out = np.empty(n + 2, dtype=np.uint8)
+    flags = np.zeros((n + 15) // 8 * 8, dtype=np.uint8)
+    _mark_flags(buf, flags)
+    r, start, count, length = _frames_into(
+        buf, small, _P_DATA, _P_TOP, _P_FINISH, _P_INDEX, _P_TOTAL, _P_LIST,
+        flags, flags.view(np.uint64), rows, ids, out,
+    )  # fmt: skip
+    return rows[:r], start, ids[:count], out[:length]
