@@ -117,15 +117,24 @@ def _split(batch: Batch, parts: int) -> list[tuple[int, int]]:
 
 
 def _kernel_floats(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The kernel reads its float inputs in place, so it sees them only as contiguous arrays of
-    one dtype, float32 or float64 (the specialisations whose rows the bit-identity test pins);
-    anything else (mixed, float16, strided) becomes float64, which is exact."""
+    """The kernel reads its float inputs in place, so it sees them only as aligned contiguous
+    arrays of one dtype, float32 or float64 (the specialisations whose rows the bit-identity test
+    pins); anything else (mixed, float16, strided, misaligned) becomes float64, which is exact."""
     dt = arrays[0].dtype
     if dt in (np.float32, np.float64) and all(
-        a.dtype == dt and a.flags.c_contiguous for a in arrays
+        a.dtype == dt and a.flags.c_contiguous and a.flags.aligned for a in arrays
     ):
-        return arrays
-    return tuple(np.ascontiguousarray(a, dtype=np.float64) for a in arrays)
+        return tuple(_readonly(a) for a in arrays)
+    return tuple(_readonly(np.ascontiguousarray(a, dtype=np.float64)) for a in arrays)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of `a` (no copy). numba compiles a separate kernel for read-only arrays,
+    and a safetensors body decodes into read-only ones: the kernel always gets read-only inputs,
+    so every path runs the two specialisations `warm_up` compiled, never a new one mid-request."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def _run_kernel(
@@ -133,7 +142,7 @@ def _run_kernel(
 ) -> tuple[Accumulator, np.ndarray, np.ndarray]:
     """Kernel over sequences [s0, s1); worst-token indices come back batch-global."""
     lo, hi = int(batch.cu_seqlens[s0]), int(batch.cu_seqlens[s1])
-    cu = batch.cu_seqlens[s0 : s1 + 1] - lo
+    cu = _readonly(np.asarray(batch.cu_seqlens[s0 : s1 + 1] - lo, dtype=np.int64))
     acc = Accumulator(params=params)
     worst_score = np.full(TOP_K, -1.0)
     worst_index = np.full(TOP_K, -1, dtype=np.int64)
@@ -141,7 +150,7 @@ def _run_kernel(
         batch.logp_rollout[lo:hi], batch.logp_train[lo:hi], batch.entropy[lo:hi]
     )
     core_kernel(
-        cu, mu, pi, ent, np.ascontiguousarray(batch.loss_mask[lo:hi], dtype=np.uint8),
+        cu, mu, pi, ent, _readonly(np.ascontiguousarray(batch.loss_mask[lo:hi], dtype=np.uint8)),
         params.kernel_vector(),
         acc.fsum, acc.fext, acc.cnt,
         acc.hist_ad, acc.prom_ad, acc.prom_s, acc.heat_all, acc.heat_rej,
@@ -241,7 +250,8 @@ def _versions(batch: Batch, acc: Accumulator, mask: np.ndarray) -> None:
     if batch.policy_version is None:
         return
     lag = batch.policy_version - v
-    k3 = k3_of(batch.logp_rollout, batch.logp_train, batch.loss_mask)[idx]
+    mu = batch.logp_rollout[idx].astype(np.float64)
+    k3 = k3_of(mu, batch.logp_train[idx].astype(np.float64), np.ones(idx.shape[0], np.uint8))
     acc.lag_tokens = int(lag.shape[0])
     acc.lag_sum = float(lag.sum(dtype=np.float64))  # an int64 sum could wrap
     acc.lag_max = int(lag.max())
