@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from timwatch.monitor.core import fastmath, kernels, kernels_seq, kernels_walk
 from timwatch.monitor.core.accumulator import TOP_K, Accumulator
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.histograms import (
@@ -21,6 +22,7 @@ from timwatch.monitor.core.histograms import (
     HEATMAP_ENTROPY_EDGES,
     FineLayout,
 )
+from timwatch.monitor.core.jitguard import seal_after_warm_up
 from timwatch.monitor.core.kernels import core_kernel, k3_of
 from timwatch.monitor.core.kernels_walk import bump_table
 from timwatch.monitor.core.masks import PolicyParams
@@ -179,6 +181,7 @@ def warm_up() -> None:
     )
     for b in (tiny, Batch.from_json(tiny.to_json())):  # float32 and float64 signatures
         derive_row(accumulate(b, threads=1))
+    seal_after_warm_up([fastmath, kernels, kernels_seq, kernels_walk])
 
 
 def analyze(batch: Batch, params: PolicyParams | None = None) -> MetricRow:

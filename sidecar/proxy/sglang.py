@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from timwatch.sidecar.proxy.answers import Capturer, answer_parts
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
-from timwatch.sidecar.proxy.deltascan import warm_up
+from timwatch.sidecar.proxy.compiled import warm_up
 from timwatch.sidecar.proxy.forward import (
     ALL_METHODS,
     DeferredCaptures,
@@ -185,7 +185,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with upstream_clients(state) as client:
-            warm_up()  # compile the byte path's scanners now, not on the first request
+            warm_up("sglang")  # compile the byte path's scanners now, not on the first request
             # Everything allocated so far lives as long as the proxy: keep it out of the
             # collector's scans, which then only walk what requests allocate.
             gc.freeze()

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from timwatch.sidecar.proxy.compiled import warm_up
 from timwatch.sidecar.proxy.forward import (
     ALL_METHODS,
     counters,
@@ -48,7 +49,7 @@ from timwatch.sidecar.proxy.vllm_capture import (
     answer_parts,
     relay_stream,
 )
-from timwatch.sidecar.proxy.vllm_edit import plan_request, warm_up
+from timwatch.sidecar.proxy.vllm_edit import plan_request
 
 __all__ = ["create_app", "LOGPROBS_MODES", "ENDPOINTS"]
 
@@ -167,7 +168,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with upstream_clients(state):
-            warm_up()  # compile the byte walks now, not on the first client's request
+            warm_up("vllm")  # compile the byte walks now, not on the first client's request
             gc.freeze()
             yield
 

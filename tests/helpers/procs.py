@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from timwatch.monitor.core.jitguard import STRICT_ENV
+
 __all__ = [
     "REPO",
     "SHARED_MAX_BODY",
@@ -67,6 +69,7 @@ def running_process(args: list[str], ready_url: str) -> Iterator[subprocess.Pope
     200; terminated (then killed) on exit."""
     paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    env[STRICT_ENV] = "1"  # a kernel the warm-up did not compile fails the request at once
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env=env)
     try:
         # a readiness wait, not a timing check: on a fresh clone a loaded box compiles the
@@ -146,6 +149,7 @@ def server_env(extra: dict[str, str] | None) -> dict[str, str]:
         k: v for k, v in os.environ.items() if k not in ("TIMWATCH_TOKEN", "TIMWATCH_READ_TOKEN")
     }
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env[STRICT_ENV] = "1"  # a kernel the warm-up did not compile fails the request at once
     env.update(extra or {})
     return env
 
