@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Table, insert, select, update
+from sqlalchemy import Connection, Table, bindparam, insert, select, update
 
 from timwatch.monitor.core.accumulator import Accumulator
 from timwatch.monitor.core.errors import BatchConflict
@@ -202,6 +202,14 @@ def step_columns(merged: Any, row: dict[str, Any]) -> dict[str, Any]:
     return {**flatten_row(row), "batches": int(merged.batches)}
 
 
+_UPDATE_STEP = update(steps_table).where(
+    (steps_table.c.run_id == bindparam("b_run")) & (steps_table.c.step == bindparam("b_step"))
+)
+_UPDATE_DETAILS = update(_details).where(
+    (_details.c.run_id == bindparam("b_run")) & (_details.c.step == bindparam("b_step"))
+)
+
+
 def write_step_row(
     conn: Connection, run: str, step: int, ts: float, merged: Any, row: dict[str, Any], *, new: bool
 ) -> None:
@@ -216,17 +224,14 @@ def write_step_row(
         "heatmap": row.get("heatmap"),
         "worst_tokens": row.get("worst_tokens"),
     }
+    # the values go as execution parameters, not `.values(**cols)`: SQLAlchemy then reuses the
+    # compiled statement instead of coercing ~60 columns into a new one for every batch
     if new:
-        conn.execute(insert(steps_table).values(run_id=run, step=step, **cols))
-        conn.execute(insert(_details).values(run_id=run, step=step, **detail))
+        conn.execute(insert(steps_table), {"run_id": run, "step": step, **cols})
+        conn.execute(insert(_details), {"run_id": run, "step": step, **detail})
     else:
-        where = (steps_table.c.run_id == run) & (steps_table.c.step == step)
-        conn.execute(update(steps_table).where(where).values(**cols))
-        conn.execute(
-            update(_details)
-            .where((_details.c.run_id == run) & (_details.c.step == step))
-            .values(**detail)
-        )
+        conn.execute(_UPDATE_STEP, {"b_run": run, "b_step": step, **cols})
+        conn.execute(_UPDATE_DETAILS, {"b_run": run, "b_step": step, **detail})
 
 
 def write_new_batch(

@@ -417,3 +417,17 @@ def test_versions_newer_than_policy_version_show_as_negative_lag() -> None:
     row = derive_row(accumulate(batch)).to_dict()
     assert row["version_lag_max"] == 1 and row["version_lag_mean"] == pytest.approx(0.0)
     assert set(row["lag_buckets"]) == {"-1", "0", "1"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_to_dict_is_asdict_and_shares_nothing_with_the_row(seed: int) -> None:
+    raw = random_batch(np.random.default_rng(seed), optional="all" if seed % 2 else "none")
+    row = derive_row(accumulate(Batch.from_arrays(**raw.from_arrays_kwargs())))
+    got = row.to_dict()
+    want = dataclasses.asdict(row)
+    assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
+    assert list(got) == list(want)
+    got["mask_ratio"].clear()
+    got["length_buckets"].clear()
+    got["worst_tokens"].append({"x": 1})
+    assert row.to_dict() == want
