@@ -63,6 +63,11 @@ export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 .venv/bin/ruff check timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/ruff format --check -q timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/mypy  # the packages of [tool.mypy]: timwatch, with its linked sub-packages
+# numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone):
+# otherwise the first processes of both workers compile the same kernels at once, each taking
+# over a minute, while tests wait for their servers to come up
+.venv/bin/python -c "from timwatch.monitor.core.engine import warm_up; warm_up()
+from timwatch.sidecar.proxy.compiled import warm_up as proxies; proxies('sglang'); proxies('vllm')"
 # two workers (a test file stays on one worker, so its module fixtures are shared): most tests
 # wait on subprocesses, Prometheus or PostgreSQL, and one worker leaves a core idle
 .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" --dist loadfile \
