@@ -32,6 +32,13 @@ PY="${PYTHON:-python3}"
 # real verl for the trainer plug-in's tests, without its own requirements (they would replace
 # torch==2.13.0): only what its imports need, pinned (tests/requirements-verl.txt)
 .venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt
+# numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
+# the background while the rest is installed and the linters run): otherwise the first
+# processes of both workers compile the same kernels at once, each taking over a minute, while
+# tests wait for their servers
+.venv/bin/python -c "from timwatch.monitor.core.engine import warm_up; warm_up()
+from timwatch.sidecar.proxy.compiled import warm_up as proxies; proxies('sglang'); proxies('vllm')" &
+warming=$!
 # schemathesis in its own cached venv: grafana-client's niquests pulls urllib3-future, which
 # replaces urllib3 where it is installed and breaks schemathesis's requests transport
 SCHEMATHESIS_PIN="schemathesis==4.32.5"
@@ -63,11 +70,7 @@ export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 .venv/bin/ruff check timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/ruff format --check -q timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/mypy  # the packages of [tool.mypy]: timwatch, with its linked sub-packages
-# numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone):
-# otherwise the first processes of both workers compile the same kernels at once, each taking
-# over a minute, while tests wait for their servers to come up
-.venv/bin/python -c "from timwatch.monitor.core.engine import warm_up; warm_up()
-from timwatch.sidecar.proxy.compiled import warm_up as proxies; proxies('sglang'); proxies('vllm')"
+wait "$warming"
 # two workers (a test file stays on one worker, so its module fixtures are shared): most tests
 # wait on subprocesses, Prometheus or PostgreSQL, and one worker leaves a core idle
 .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" --dist loadfile \
