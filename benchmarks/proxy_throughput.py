@@ -8,7 +8,10 @@ the share of its core the proxy used (from /proc), "waited" the share of the win
 ready to run but waited for its core (the kernel's run-queue delay, /proc/<pid>/schedstat: on
 a shared machine, other processes on the proxy's core), and "per core" captured tokens per
 proxy CPU-second: what one fully loaded proxy core would capture; "cpu/req" the proxy's CPU
-time per request answered (user + system, deferred captures included).
+time per request answered (user + system, deferred captures included); "KB/req" the mean
+answer body a client received through the proxy, and "MB/core-s" those body bytes per proxy
+CPU-second (what the proxy receives, reads and relays: a stream carries ~10× a plain
+answer's bytes for the same tokens).
 
 At concurrency 1 with the instant stand-in, a deferred capture runs while the next request is
 at the engine, which answers in ~0.2 ms: the capture's CPU is then in the next request's
@@ -118,7 +121,9 @@ def _start_pair(
     return e, p, _start(stack, 1, proxy, f"http://127.0.0.1:{p}/timwatch/healthz")
 
 
-async def _conn(port: int, request: bytes, until: float, lat: list[float], warm: float) -> None:
+async def _conn(
+    port: int, request: bytes, until: float, lat: list[float], warm: float, sizes: list[int]
+) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         while time.perf_counter() < until:
@@ -135,14 +140,16 @@ async def _conn(port: int, request: bytes, until: float, lat: list[float], warm:
                 raise RuntimeError(f"status {parser.get_status_code()}")
             if t0 >= warm:
                 lat.append(time.perf_counter() - t0)
+                sizes.append(resp.nbytes)
     finally:
         writer.close()
 
 
 def _load(
     port: int, body: dict, conc: int, seconds: float, path: str = "/generate"
-) -> tuple[float, float]:
-    """(requests/s, p50 latency ms) with ``conc`` connections for ``seconds`` after 1 s warmup."""
+) -> tuple[float, float, float]:
+    """(requests/s, p50 latency ms, mean body bytes per answer) with ``conc`` connections for
+    ``seconds`` after 1 s warmup."""
     payload = orjson.dumps(body)
     request = (
         b"POST %s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n" % path.encode()
@@ -150,16 +157,18 @@ def _load(
         + payload
     )
     lat: list[float] = []
+    sizes: list[int] = []
 
     async def run() -> None:
         now = time.perf_counter()
         warm, until = now + 1.0, now + 1.0 + seconds
-        await asyncio.gather(*(_conn(port, request, until, lat, warm) for _ in range(conc)))
+        await asyncio.gather(*(_conn(port, request, until, lat, warm, sizes) for _ in range(conc)))
 
     t0 = time.perf_counter()
     asyncio.run(run())
     window = time.perf_counter() - t0 - 1.0
-    return len(lat) / window, 1e3 * statistics.median(lat) if lat else float("nan")
+    p50 = 1e3 * statistics.median(lat) if lat else float("nan")
+    return len(lat) / window, p50, statistics.fmean(sizes) if sizes else 0.0
 
 
 def _captured(port: int) -> int:
@@ -226,9 +235,10 @@ def main() -> None:
         print(
             f"{'answer':<40}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
             f"{'+p50 ms':>9}{'captured/s':>11}{'busy':>7}{'waited':>7}{'per core':>9}"
-            f"{'cpu/req':>9}"
+            f"{'cpu/req':>9}{'KB/req':>9}{'MB/core-s':>10}"
         )
         per_core: dict[tuple[str, int, int], float] = {}
+        bytes_core: dict[tuple[str, int, int], float] = {}
         for mode, tokens, conc in scenarios:
             engine, proxy, pid = ports[mode if mode in ("incremental", "paced") else "cumulative"]
             body: dict = {
@@ -240,10 +250,10 @@ def main() -> None:
                 body["return_logprob"] = True
             # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
             seconds = args.seconds * {"cumulative": 6, "incremental": 2}.get(mode, 1)
-            d_rps, d_p50 = _load(engine, body, conc, seconds)
+            d_rps, d_p50, _ = _load(engine, body, conc, seconds)
             before, cpu0, wait0 = _captured(proxy), _cpu_s(pid), _waited_s(pid)
             t0 = time.perf_counter()
-            p_rps, p_p50 = _load(proxy, body, conc, seconds)
+            p_rps, p_p50, size = _load(proxy, body, conc, seconds)
             took = time.perf_counter() - t0
             answered = _captured(proxy) - before
             captured, cpu = answered * tokens, _cpu_s(pid) - cpu0
@@ -255,17 +265,24 @@ def main() -> None:
             }.get(mode, f"{mode} stream")
             ratio = p_rps / d_rps if d_rps else float("nan")
             per_core[(mode, tokens, conc)] = tok_s / max(busy, 1e-9)
+            # the body bytes the proxy received, read and relayed per CPU-second
+            bytes_core[(mode, tokens, conc)] = answered * size / max(cpu, 1e-9)
             print(
                 f"{label:<40}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
                 f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}{waited:>7.0%}"
                 f"{per_core[(mode, tokens, conc)] / 1e6:>8.2f}M"
-                f"{1e3 * cpu / max(answered, 1):>7.2f}ms",
+                f"{1e3 * cpu / max(answered, 1):>7.2f}ms{size / 1e3:>9.0f}"
+                f"{bytes_core[(mode, tokens, conc)] / 1e6:>10.0f}",
                 flush=True,
             )
         plain = per_core.get(("plain", 4096, 64))
         for (mode, _tokens, _conc), value in per_core.items():
             if mode in ("incremental", "cumulative") and plain:
-                print(f"{mode} stream per proxy core / plain per proxy core: {value / plain:.2f}")
+                in_bytes = bytes_core[(mode, _tokens, _conc)] / bytes_core[("plain", 4096, 64)]
+                print(
+                    f"{mode} stream per proxy core / plain per proxy core: {value / plain:.2f} "
+                    f"in tokens, {in_bytes:.2f} in body bytes"
+                )
         print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ingest_throughput import fill_steps, make_batch  # noqa: E402
 
-import timwatch.monitor.store.repo as repo  # noqa: E402
 import timwatch.monitor.store.series as series  # noqa: E402
+import timwatch.monitor.store.writes as writes  # noqa: E402
 from timwatch.monitor.core.engine import accumulate  # noqa: E402
 from timwatch.monitor.core.jsoncodec import dumps  # noqa: E402
 from timwatch.monitor.store import Store  # noqa: E402
@@ -37,9 +37,9 @@ NAMES = ["mismatch_kl", "is_ratio_std"]
 def per_batch_ms(url: str, n: int, *, chunks: bool) -> tuple[float, float]:
     """ms per batch transaction: new steps, then a second batch of each step (merge)."""
     acc = accumulate(make_batch(4096, step=0, seed=1))
-    real = repo.write_series
+    real = writes.write_series
     if not chunks:
-        repo.write_series = lambda *a, **k: None  # type: ignore[assignment]
+        writes.write_series = lambda *a, **k: None  # type: ignore[assignment]
     try:
         store = Store(url)
         run = f"w{uuid.uuid4().hex[:6]}"
@@ -53,7 +53,7 @@ def per_batch_ms(url: str, n: int, *, chunks: bool) -> tuple[float, float]:
             out.append((time.perf_counter() - t0) / n * 1e3)
         store.close()
     finally:
-        repo.write_series = real
+        writes.write_series = real
     return out[0], out[1]
 
 
