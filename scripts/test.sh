@@ -5,6 +5,8 @@
 # pytest (e.g. `scripts/test.sh -k engine`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# where the run's time goes, for CI's 30-minute budget: seconds since the start, on stderr
+phase() { echo "[scripts/test.sh] ${SECONDS} s: $*" >&2; }
 
 need=()
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
@@ -50,6 +52,7 @@ fi
 export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
 # the real-engine tier's vLLM (CPU build) in its own venv outside the clone, reused while its pin
 # file matches (~2 min and 3.4 GB when it is not cached)
+phase "packages and .venv installed"
 TIMWATCH_VLLM_PYTHON="$(bash .ci/vllm-venv.sh | tail -n1)"
 export TIMWATCH_VLLM_PYTHON TIMWATCH_REQUIRE_VLLM=1
 
@@ -70,11 +73,15 @@ export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 .venv/bin/ruff check timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/ruff format --check -q timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/mypy  # the packages of [tool.mypy]: timwatch, with its linked sub-packages
+phase "linters done"
 wait "$warming"
+phase "kernels compiled"
 # two workers (a test file stays on one worker, so its module fixtures are shared): most tests
 # wait on subprocesses, Prometheus or PostgreSQL, and one worker leaves a core idle
 .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" --dist loadfile \
   -m "not vllm" "$@"
+phase "main pass done"
 # the real-engine tier (tests/engine) after the rest, on one worker: one vLLM server at a time
 # (exit 5: the arguments selected none of its tests)
 .venv/bin/python -m pytest -p no:cacheprovider -n 0 -m vllm "$@" || [ $? -eq 5 ]
+phase "vLLM tier done"
