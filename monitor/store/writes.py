@@ -211,11 +211,19 @@ _UPDATE_DETAILS = update(_details).where(
 
 
 def write_step_row(
-    conn: Connection, run: str, step: int, ts: float, merged: Any, row: dict[str, Any], *, new: bool
+    conn: Connection,
+    run: str,
+    step: int,
+    ts: float,
+    merged: Any,
+    row: dict[str, Any],
+    *,
+    new: bool,
+    cols: dict[str, Any],
 ) -> None:
-    cols = flatten_row(row)
-    cols["batches"] = int(merged.batches)
-    cols["updated_at"] = ts
+    """The step's row and details; ``cols``: `step_columns` of ``merged`` and ``row`` (not
+    changed here: the series is written from them too)."""
+    cols = {**cols, "updated_at": ts}
     detail = {
         "state": merged.to_state(),
         "row": row,
@@ -256,8 +264,9 @@ def write_new_batch(
     prev = lock_step_state(conn, run, step, sqlite)
     merged = acc if prev is None else Accumulator.from_state(prev).merge(acc)
     row = derive_row(merged).to_dict()
-    write_step_row(conn, run, step, ts, merged, row, new=prev is None)
-    write_series(conn, run, step, step_columns(merged, row), lock=not sqlite)
+    cols = step_columns(merged, row)  # flattened once, for the step row and the series
+    write_step_row(conn, run, step, ts, merged, row, new=prev is None, cols=cols)
+    write_series(conn, run, step, cols, lock=not sqlite)
     write_batch_events(conn, run, step, ts, acc)
     answer = respond(row)
     conn.execute(
