@@ -41,7 +41,7 @@ def test_float32_float64_mixed_and_strided_inputs_give_the_same_bits(n: int) -> 
 # Run in a fresh interpreter (numba's on-disk cache loads what it has, but a dispatcher's
 # signatures start empty), so a signature this test finds was added by the batch that followed.
 _EVERY_PATH = r"""
-import json, struct, sys
+import json, struct
 import numpy as np
 from tests.helpers.batches import random_batch
 from timwatch.monitor.core import engine, fastmath, kernels, kernels_seq, kernels_walk
@@ -99,6 +99,8 @@ for k in ("logp_rollout", "logp_train", "entropy"):
     buf = np.zeros(4 * len(f32[k]) + 1, np.uint8)
     misaligned[k] = np.frombuffer(buf.data, np.float32, len(f32[k]), offset=1)
 paths["misaligned"] = Batch.from_arrays(**misaligned)
+# the batch keeps them as they came, so the kernel's own alignment check is what is tested
+assert not paths["misaligned"].logp_rollout.flags.aligned
 n = 1 << 18  # past the size where the kernel runs on several threads
 cu = np.array([0, n // 3, n // 2, n], np.int32)
 big = dict(cu_seqlens=cu, logp_rollout=np.full(n, -1.0, np.float32),
