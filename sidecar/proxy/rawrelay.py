@@ -97,15 +97,28 @@ class RawStreamResponse(StreamingResponse):
             if not cycle.chunked_encoding:  # cannot happen: no length header is passed on
                 raise RuntimeError("uvicorn did not choose chunked encoding for a stream")
             transport, flow = cycle.transport, cycle.flow
-            async for pieces, body in upstream.relayed():
+
+            def relay(pieces: list[bytes | memoryview], body: bytes) -> None:
+                # runs in the upstream connection's receive callback (`push_to`)
                 if cycle.disconnected:
-                    return  # the client went away: the upstream connection is closed below
+                    upstream.pause_reading()  # the client went away: closed below
+                    return
                 for piece in pieces:
                     transport.write(piece)
                 if body:
                     feed(body)
                 if flow.write_paused:
+                    upstream.pause_reading()
+
+            upstream.push_to(relay)
+            while await upstream.pushed():
+                if cycle.disconnected:
+                    return  # the upstream connection is closed below
+                if flow.write_paused:
                     await flow.drain()
+                    upstream.resume_reading()
+            if cycle.disconnected:
+                return
         finally:
             upstream.release()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

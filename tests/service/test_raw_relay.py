@@ -36,7 +36,8 @@ BODY: dict[str, Any] = {
 class RawUpstream:
     """An HTTP/1.1 upstream that answers every request with ``self.wire`` (the chunked body,
     written in ``self.writes`` pieces, ``self.pause`` s apart) and records, per request, the
-    connection it came on; ``self.aborted`` counts answers whose connection went away."""
+    connection it came on; ``self.aborted`` counts answers whose connection went away,
+    ``self.answered`` answers whose last byte went to the socket."""
 
     def __init__(self) -> None:
         self.port = free_port()
@@ -45,6 +46,7 @@ class RawUpstream:
         self.pause = 0.0
         self.conns: list[int] = []
         self.aborted = 0
+        self.answered = 0
         self._next = 0
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -83,6 +85,7 @@ class RawUpstream:
                     await writer.drain()
                     if pause:
                         await asyncio.sleep(pause)
+                self.answered += 1
         except (asyncio.IncompleteReadError, ConnectionError):
             if self.conns and self.conns[-1] == conn:
                 self.aborted += 1  # gone while answering (not an idle connection closed)
@@ -227,6 +230,33 @@ def test_a_client_leaving_mid_stream_closes_the_upstream_connection() -> None:
             assert client.post(f"{proxy}/generate", json=BODY).content == sse
         assert up.conns[-1] != up.conns[0]
         assert _counters(proxy)["proxy"]["raw_streams"] == 2
+
+
+def test_a_client_that_stops_reading_pauses_the_upstream_and_then_gets_every_byte() -> None:
+    """Flow control: while the client reads nothing, the proxy stops reading the upstream (its
+    write to the upstream socket blocks) instead of holding the stream in memory."""
+    with fake_sglang_process(True) as sglang:
+        sse = httpx.post(f"{sglang}/generate", json=BODY, timeout=60).content
+    # far more than the socket buffers on the way can hold (loopback: a few MB each)
+    big = sse * (48_000_000 // len(sse))
+    with raw_upstream() as up, sglang_proxy_process(up.url) as proxy:
+        port = int(proxy.rsplit(":", 1)[1])
+        up.wire, up.writes, up.pause = _chunked(big, random.Random(4), 4000), [], 0.0
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        sock.sendall(_request())
+        first = sock.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200")
+        time.sleep(2)  # reading nothing: the proxy would have relayed 48 MB in well under 2 s
+        assert up.answered == 0  # the upstream is still blocked writing
+        head, _, rest = first.partition(b"\r\n\r\n")
+        while not rest.endswith(b"\r\n0\r\n\r\n"):
+            more = sock.recv(1 << 20)
+            assert more, "closed in the body"
+            rest += more
+        sock.close()
+        assert rest == up.wire
+        assert up.answered == 1
+        assert _counters(proxy)["proxy"]["raw_streams"] == 1
 
 
 def test_broken_upstream_framing_closes_the_client_connection_and_is_not_reused() -> None:
