@@ -111,14 +111,19 @@ class RawStreamResponse(StreamingResponse):
                     upstream.pause_reading()
 
             upstream.push_to(relay)
-            while await upstream.pushed():
+            while True:
                 if cycle.disconnected:
                     return  # the upstream connection is closed below
-                if flow.write_paused:
+                if upstream.reading_paused:
+                    # `relay` paused it on a full client socket, maybe before this loop ran;
+                    # the socket may have drained since (``write_paused`` already false): a
+                    # pause is always undone here, or nothing would wake this loop again
                     await flow.drain()
+                    if cycle.disconnected:
+                        return
                     upstream.resume_reading()
-            if cycle.disconnected:
-                return
+                if not await upstream.pushed():
+                    break
         finally:
             upstream.release()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

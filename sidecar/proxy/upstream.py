@@ -292,6 +292,10 @@ class UpstreamResponse:
             raise self._error
         return not self._done
 
+    @property
+    def reading_paused(self) -> bool:
+        return self._paused
+
     def pause_reading(self) -> None:
         if not self._paused and self._conn.transport is not None:
             self._conn.transport.pause_reading()

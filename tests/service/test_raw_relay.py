@@ -128,21 +128,24 @@ def _request() -> bytes:
     )
 
 
-def _read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
-    """(head, raw chunked body up to and including the last chunk) from a keep-alive socket."""
+def _read_answer(sock: socket.socket, size: int = 65536) -> tuple[bytes, bytes]:
+    """(head, raw chunked body up to and including the last chunk) from a keep-alive socket,
+    read ``size`` bytes at a time."""
     data = b""
     while b"\r\n\r\n" not in data:
-        more = sock.recv(65536)
+        more = sock.recv(size)
         if not more:
             raise ConnectionError(f"closed in the head: {data!r}")
         data += more
     head, _, rest = data.partition(b"\r\n\r\n")
-    while not rest.endswith(b"\r\n0\r\n\r\n") and rest != b"0\r\n\r\n":
-        more = sock.recv(65536)
+    parts, tail, total = [rest], rest[-16:], len(rest)
+    while not (tail.endswith(b"\r\n0\r\n\r\n") or (total == 5 and tail == b"0\r\n\r\n")):
+        more = sock.recv(size)
         if not more:
             raise ConnectionError("closed in the body")
-        rest += more
-    return head, rest
+        parts.append(more)
+        total, tail = total + len(more), (tail + more)[-16:]
+    return head, b"".join(parts)
 
 
 def _dechunk(wire: bytes) -> bytes:
@@ -257,6 +260,59 @@ def test_a_client_that_stops_reading_pauses_the_upstream_and_then_gets_every_byt
         assert rest == up.wire
         assert up.answered == 1
         assert _counters(proxy)["proxy"]["raw_streams"] == 1
+
+
+def test_a_client_socket_full_from_the_first_bytes_does_not_stall_the_stream() -> None:
+    """A client with a tiny receive buffer: the answer's first reads, arrived with its head and
+    handed on all at once, already fill the client's socket, so the upstream is paused before
+    the relay waits for anything; it must be resumed when the client drains (a pause nobody
+    resumes would hang the stream until the client gives up)."""
+    with fake_sglang_process(False) as sglang:
+        sse = httpx.post(f"{sglang}/generate", json=BODY, timeout=60).content
+    big = sse * (2_000_000 // len(sse))
+    with raw_upstream() as up, sglang_proxy_process(up.url) as proxy:
+        port = int(proxy.rsplit(":", 1)[1])
+        up.wire, up.writes, up.pause = _chunked(big, random.Random(6), 65536), [], 0.0
+        for _ in range(2):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(_request())
+            head, raw = _read_answer(sock)
+            sock.close()
+            assert head.startswith(b"HTTP/1.1 200")
+            assert raw == up.wire
+
+
+def test_cumulative_streams_at_engine_speed_are_relayed_whole_one_after_another() -> None:
+    """Eight 4,096-token cumulative streams (339 MB each) from the fast stand-in, read at full
+    speed: the client's socket fills and drains thousands of times, and a drain can land
+    between the relay pausing the upstream and its loop looking (that pause was once never
+    undone and the stream hung after a few hundred MB)."""
+    body = {**BODY, "sampling_params": {"max_new_tokens": 4096}}
+    with fake_sglang_process(False, fast=True) as up, sglang_proxy_process(up) as proxy:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", f"{up}/generate", json=body) as direct,
+        ):
+            size = sum(len(part) for part in direct.iter_raw())
+        port = int(proxy.rsplit(":", 1)[1])
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        payload = orjson.dumps(body)
+        request = (
+            b"POST /generate HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(payload) + payload
+        )
+        for _ in range(8):
+            sock.sendall(request)
+            head, raw = _read_answer(sock, 1 << 20)
+            assert head.startswith(b"HTTP/1.1 200")
+            assert len(_dechunk(raw)) == size
+        sock.close()
+        counters = _counters(proxy)
+    assert counters["proxy"]["raw_streams"] == 8
+    assert counters["capture"]["captured"] == 8
 
 
 def test_broken_upstream_framing_closes_the_client_connection_and_is_not_reused() -> None:
