@@ -332,6 +332,7 @@ class UpstreamResponse:
     def release(self) -> None:
         conn, self._conn.resp = self._conn, None
         if self._done and self._keep_alive and not conn.lost and self._error is None:
+            self.resume_reading()  # a relay may have paused it on the last read
             self._owner._give_back(conn)
         else:
             conn.close()

@@ -24,6 +24,7 @@ import pytest
 
 from tests.helpers.procs import fake_sglang_process, free_port, sglang_proxy_process
 from timwatch.sidecar.proxy.sglang_wire import SampleState
+from timwatch.sidecar.proxy.upstream import Upstream, UpstreamResponse
 
 BODY: dict[str, Any] = {
     "input_ids": [5, 6, 7, 8],
@@ -60,6 +61,12 @@ class RawUpstream:
         self.ready.set()
         self.loop.run_forever()
         server.close()
+        # connections still open end here, while the loop can still close their transports
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self.loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn, self._next = self._next, self._next + 1
@@ -262,27 +269,47 @@ def test_a_client_that_stops_reading_pauses_the_upstream_and_then_gets_every_byt
         assert _counters(proxy)["proxy"]["raw_streams"] == 1
 
 
-def test_a_client_socket_full_from_the_first_bytes_does_not_stall_the_stream() -> None:
-    """A client with a tiny receive buffer: the answer's first reads, arrived with its head and
-    handed on all at once, already fill the client's socket, so the upstream is paused before
-    the relay waits for anything; it must be resumed when the client drains (a pause nobody
-    resumes would hang the stream until the client gives up)."""
-    with fake_sglang_process(False) as sglang:
-        sse = httpx.post(f"{sglang}/generate", json=BODY, timeout=60).content
-    big = sse * (2_000_000 // len(sse))
-    with raw_upstream() as up, sglang_proxy_process(up.url) as proxy:
-        port = int(proxy.rsplit(":", 1)[1])
-        up.wire, up.writes, up.pause = _chunked(big, random.Random(6), 65536), [], 0.0
-        for _ in range(2):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.settimeout(30)
-            sock.connect(("127.0.0.1", port))
-            sock.sendall(_request())
-            head, raw = _read_answer(sock)
-            sock.close()
-            assert head.startswith(b"HTTP/1.1 200")
-            assert raw == up.wire
+class _PausingSink:
+    """A `push_to` sink that keeps the bodies and pauses reading after every read, the last
+    one included (as a relay does while its client's socket is full)."""
+
+    def __init__(self, resp: UpstreamResponse) -> None:
+        self.resp = resp
+        self.got: list[bytes] = []
+
+    def __call__(self, pieces: list[bytes | memoryview], body: bytes) -> None:
+        self.got.append(body)
+        self.resp.pause_reading()
+
+
+def test_an_upstream_connection_its_relay_paused_goes_back_to_the_pool_reading() -> None:
+    """`release` returns a connection whose last read was paused to the pool, where a pause
+    left on it would make the next request sent on it wait forever."""
+    frames = b"data: {}\n\n" * 2000
+    with raw_upstream() as up:
+        up.wire = _chunked(frames, random.Random(8), 700)
+        up.writes, up.pause = [4000] * 6, 0.02  # reads arriving while the relay waits
+
+        async def relay_twice() -> list[bytes]:
+            client = Upstream(up.url, timeout_s=10)
+            bodies = []
+            for _ in range(2):
+                resp = await client.request("POST", "/generate", [], b"{}")
+                sink = _PausingSink(resp)
+                resp.push_to(sink)
+                while True:
+                    if resp.reading_paused:
+                        resp.resume_reading()
+                    if not await resp.pushed():
+                        break
+                assert resp.reading_paused  # the last read left it paused
+                resp.release()
+                bodies.append(b"".join(sink.got))
+            await client.aclose()
+            return bodies
+
+        assert asyncio.run(relay_twice()) == [frames, frames]
+        assert len(set(up.conns)) == 1  # the second request went out on the same connection
 
 
 def test_cumulative_streams_at_engine_speed_are_relayed_whole_one_after_another() -> None:
