@@ -5,9 +5,10 @@ proxy did not change, that is de-chunking every upstream read and chunking it ag
 ``send`` per read. When the proxy is served by uvicorn's httptools protocol (what
 ``timwatch sidecar`` runs), `RawStreamResponse` writes the response head through uvicorn, then
 the upstream's raw chunks (framing kept, its last ``0`` chunk and trailer left out) straight to
-the connection's transport, waiting while uvicorn's flow control says the client's socket is
-full, and lets uvicorn write the last chunk and finish the response, so keep-alive and its
-state stay uvicorn's. The capture reads the de-chunked body beside it.
+the connection's transport, and lets uvicorn write the last chunk and finish the response, so
+keep-alive and its state stay uvicorn's. Each upstream read is written and captured (the
+de-chunked body) in the callback that received it (`UpstreamResponse.push_to`); while uvicorn's
+flow control says the client's socket is full, the upstream is not read.
 
 `ProxyApp` leaves uvicorn's own ``send`` in the scope; `uvicorn_cycle` accepts it only if it
 is the bound ``send`` of uvicorn's httptools request cycle and the response has not started.
@@ -15,8 +16,10 @@ Anything else (another server, h11, a test client) takes the ordinary streaming 
 Invariants: the client receives exactly the upstream's bytes before its last chunk, then
 ``0\\r\\n\\r\\n`` (upstream trailers are not relayed); a client that goes away stops the relay
 and closes the upstream connection (noticed when the next upstream bytes arrive or a write
-waits on the client's full socket); broken upstream framing raises `UpstreamError` after the
-head went out, and uvicorn closes the client connection (never reused).
+waits on the client's full socket); every pause of the upstream is undone once the client's
+socket drains, and the connection goes back to the pool reading; broken upstream framing
+raises `UpstreamError` after the head went out, and uvicorn closes the client connection
+(never reused).
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ class UpstreamResponse:
 
     @property
     def chunked(self) -> bool:
-        """The body comes in chunked transfer coding (`relayed` can read it)."""
+        """The body comes in chunked transfer coding (`push_to` can hand it on raw)."""
         return self._dechunker is not None
 
     def push_to(self, sink: Callable[[list[bytes | memoryview], bytes], None]) -> None:
