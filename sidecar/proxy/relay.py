@@ -230,14 +230,27 @@ def stream_capture(cap: Capturer, plan: RequestPlan) -> Callable[[bytes], None]:
 class StreamReads:
     """The frames of one stream cut out of its reads as they come and captured; a read is
     never copied whole (a short frame begun in one read is joined alone, a long one from
-    views of its pieces)."""
+    views of its pieces). A capture that fails unexpectedly (a bug, not a malformed sample:
+    those are counted per sample) is logged and counted as a wire error, and the rest of the
+    stream is not captured; the relay, which calls this after sending the read on, goes on."""
 
     def __init__(self, stream: _Stream) -> None:
         self.stream = stream
         self.tail = b""  # the start of a frame still arriving, when short
         self.parts: list[memoryview] = []  # a long frame still arriving, not yet copied
+        self.failed = False
 
     def __call__(self, chunk: bytes) -> None:
+        if self.failed:
+            return
+        try:
+            self._read(chunk)
+        except Exception:
+            self.failed = True
+            log.exception("stream capture failed; the rest of this stream is not captured")
+            self.stream.cap.counters["wire_errors"] += 1
+
+    def _read(self, chunk: bytes) -> None:
         stream, tail, parts = self.stream, self.tail, self.parts
         pos, search = 0, 0
         if parts:

@@ -205,6 +205,38 @@ def test_stream_capture_at_every_two_read_cut_equals_the_object_path() -> None:
         )
 
 
+def test_a_capture_that_fails_is_counted_and_stops_without_raising(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the capture must not break the client's stream: `StreamReads` counts it as a
+    wire error, logs it, and captures nothing more of that stream (the next one is captured)."""
+    raw = _stream(14, shift=3)
+    plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
+    assert plan is not None
+    got: list[HeldRecord] = []
+    counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+    cap = Capturer(got.append, counters, None)
+    calls = []
+    real = relay._read_small
+
+    def broken(*args: Any) -> int:
+        calls.append(1)
+        raise RuntimeError("a capture bug")
+
+    monkeypatch.setattr(relay, "_read_small", broken)
+    feed = relay.stream_capture(cap, plan)
+    half = len(raw) // 2
+    feed(raw[:half])  # does not raise
+    feed(raw[half:])
+    assert counters["wire_errors"] == 1 and len(calls) == 1  # not tried again
+    assert got == []
+    monkeypatch.setattr(relay, "_read_small", real)
+    feed = relay.stream_capture(cap, plan)
+    feed(raw[:half])
+    feed(raw[half:])
+    assert counters["wire_errors"] == 1 and len(got) == 1
+
+
 def test_relay_stream_through_the_fast_path_keeps_bytes() -> None:
     raw = _stream(20)
     plan = plan_request({"input_ids": [1], "return_logprob": True, "stream": True}, None)
