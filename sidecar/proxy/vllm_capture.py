@@ -201,7 +201,13 @@ class _Stream:
         if info.get("prompt_token_ids") is not None:
             self.prompt = info["prompt_token_ids"]
         for part in parts:
-            self._take(part, info)
+            try:
+                self._take(part, info)
+            except Exception:  # a capture bug must not cut the client's stream off
+                log.exception("stream choice %s: capture failed, not captured", part.index)
+                self.broken.add(part.index)
+                self.choices.pop(part.index, None)
+                self.cap.counters["wire_errors"] += 1
         if parts and all(p.bare for p in parts) and self.plan.kind == "chat":
             return b""
         return frame if client is payload else b"data: " + client + b"\n\n"

@@ -9,13 +9,14 @@ against a real vLLM. Real uvicorn processes on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import pytest
 from tests.helpers.procs import REPO, ServerProc, vllm_proxy_process, vllm_standin_process
 from timwatch.monitor.core.errors import NotFast, WireError
 from timwatch.sidecar.proxy.jsonspan import skip_value, u8, walk
+from timwatch.sidecar.proxy.vllm_capture import COUNTER_NAMES, VllmCapturer, relay_stream
 from timwatch.sidecar.proxy.vllm_edit import edit_answer, plan_request, truncates
 
 sys.path.insert(0, str(Path(REPO) / "benchmarks"))
@@ -269,6 +271,40 @@ def test_edit_keeps_everything_but_the_added_members() -> None:
     (part,) = parts
     assert part.ids.tolist() == _expected(30)[0]
     np.testing.assert_array_equal(part.logps, np.array(_expected(30)[1]))
+
+
+def test_a_stream_capture_that_fails_leaves_the_client_bytes_and_is_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the capture must not break the client's stream: the frames still come out as
+    the client would have had them, the failure is counted as a wire error, and the choice is
+    not captured (the next stream is)."""
+    plan = plan_request("completions", {"prompt": "x", "max_tokens": 30, "stream": True})
+    assert plan is not None
+    wire = b"".join(standin.frames(standin.Req("completions", plan.body, b"r", False)))
+    got: list[Any] = []
+    counters = {name: 0 for name in COUNTER_NAMES}
+    cap = VllmCapturer(got.append, counters, "raw_logprobs")
+
+    def relayed() -> bytes:
+        async def chunks() -> AsyncIterator[bytes]:
+            for at in range(0, len(wire), 700):
+                yield wire[at : at + 700]
+
+        async def run() -> bytes:
+            return b"".join([c async for c in relay_stream(cap, plan, chunks())])
+
+        return asyncio.run(run())
+
+    want = relayed()
+    assert counters["wire_errors"] == 0 and len(got) == 1
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("a capture bug")
+
+    monkeypatch.setattr(VllmCapturer, "finish", broken)
+    assert relayed() == want
+    assert counters["wire_errors"] == 1 and len(got) == 1
 
 
 def test_a_logits_mode_is_refused_at_the_command_line() -> None:
