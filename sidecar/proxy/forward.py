@@ -182,7 +182,10 @@ async def passthrough(request: Request) -> Response:
 async def _run_now(capture: Callable[[], None]) -> None:
     # async, so Starlette runs it in the request's own task right after the last byte is
     # written, before the loop serves anything else (a sync one would go to a thread)
-    capture()
+    try:
+        capture()
+    except Exception:  # as in `DeferredCaptures`: uvicorn would close the client's connection
+        log.exception("capture failed")
 
 
 def _planned_headers(request: Request) -> list[tuple[str, str]]:
