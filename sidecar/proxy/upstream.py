@@ -247,16 +247,14 @@ class UpstreamResponse:
         pauses and resumes with `pause_reading` and `resume_reading`."""
         self._sink = sink
         if self._raw:  # what arrived before the relay began
-            data = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
-            self._raw.clear()
-            self.resume_reading()
-            self._push(data)
+            self._push(None)
 
-    def _push(self, data: bytes) -> None:
+    def _push(self, data: bytes | None) -> None:
+        """One read (None: the reads kept so far, joined) de-chunked and given to the sink."""
         sink = self._sink
         assert sink is not None
         try:
-            _, body, safe = self._dechunked(data, raw=True)
+            data, body, safe = self._dechunked(data, raw=True)
         except UpstreamError:
             self._wake()
             return
