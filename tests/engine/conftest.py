@@ -4,16 +4,19 @@ Every test under ``tests/engine`` is marked ``vllm`` (and ``slow``); ``scripts/t
 them after the rest of the suite, on one worker, once ``.ci/vllm-venv.sh`` has installed (or
 found) the vLLM venv. Fixtures: `vllm_python` (the venv's interpreter; skips without it, fails
 under ``CI``/``TIMWATCH_REQUIRE_VLLM``) and `tiny_model` (the model directory, built once per
-session). Servers come from `tests.helpers.vllm.vllm_server`, one at a time.
+session), and `engines`, through which every server of the tier is started: it keeps the last
+one running for the next test that asks for the same settings (a start costs about a minute
+here) and stops it before starting another (a server holds the machine-wide vLLM lock).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.vllm import build_tiny_model, require_vllm_python
+from tests.helpers.vllm import Engines, build_tiny_model, require_vllm_python
 
 HERE = Path(__file__).resolve().parent
 
@@ -37,3 +40,15 @@ def tiny_model(vllm_python: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
     out = tmp_path_factory.mktemp("tiny-llama")
     build_tiny_model(vllm_python, out, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def engines(
+    vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engines]:
+    """The tier's one vLLM server at a time (`Engines`), stopped at the end of the session."""
+    e = Engines(vllm_python, tiny_model, tmp_path_factory)
+    try:
+        yield e
+    finally:
+        e.stop()

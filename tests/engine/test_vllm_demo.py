@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.procs import REPO
+from tests.helpers.vllm import Engines
 from timwatch.monitor.store import Store
 
 pytestmark = pytest.mark.timeout(1200)  # one vLLM start on a busy 2-core machine
@@ -25,7 +26,10 @@ NAMES = [
 ]  # fmt: skip
 
 
-def test_demo_on_vllm_shows_real_versions_and_staleness(vllm_python: str, tmp_path: Path) -> None:
+def test_demo_on_vllm_shows_real_versions_and_staleness(
+    vllm_python: str, engines: Engines, tmp_path: Path
+) -> None:
+    engines.stop()  # the demo starts its own vLLM, which waits for the machine-wide lock
     db = f"sqlite:///{tmp_path / 'demo.db'}"
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     env["TIMWATCH_VLLM_PYTHON"] = vllm_python

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.helpers.procs import ServerProc
-from tests.helpers.vllm import tokenizer_roundtrip, vllm_server
+from tests.helpers.vllm import FP32_EXTRA, Engines, tokenizer_roundtrip
 from timwatch.sidecar.demo import llama
 from timwatch.sidecar.demo.vllm_engine import EngineClient, Generation
 from timwatch.sidecar.tap import Tap
@@ -157,10 +157,10 @@ def _generate_streamed_with_reload(
 
 
 @pytest.fixture(scope="module")
-def bf16(vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Capture:
+def bf16(engines: Engines, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Capture:
     tmp = tmp_path_factory.mktemp("vllm-bf16")
-    extra = ("--enable-scale-out",)
-    with vllm_server(vllm_python, tiny_model, tmp / "vllm.log", extra=extra) as s:
+    s = engines.get("bfloat16", ("--enable-scale-out",))
+    try:
         cap = Capture("bfloat16", float(s.started_s or 0))
         with httpx.Client(base_url=s.url, timeout=300) as http:
             cap.completions = [_complete(http, s.model, p, i) for i, p in enumerate(PROMPTS)]
@@ -195,16 +195,17 @@ def bf16(vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFa
             cap.versions_seen.append(engine.version())
         finally:
             engine.close()
+    finally:
+        engines.stop()  # its weights were reloaded: no other test is to meet this server
     return cap
 
 
 @pytest.fixture(scope="module")
-def fp32(vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Capture:
-    tmp = tmp_path_factory.mktemp("vllm-fp32")
-    with vllm_server(vllm_python, tiny_model, tmp / "vllm.log", dtype="float32") as s:
-        cap = Capture("float32", float(s.started_s or 0))
-        with httpx.Client(base_url=s.url, timeout=300) as http:
-            cap.completions = [_complete(http, s.model, p, i) for i, p in enumerate(PROMPTS)]
+def fp32(engines: Engines) -> Capture:
+    s = engines.get("float32", FP32_EXTRA)  # the proxy tests' engine (test_vllm_proxy.py)
+    cap = Capture("float32", float(s.started_s or 0))
+    with httpx.Client(base_url=s.url, timeout=300) as http:
+        cap.completions = [_complete(http, s.model, p, i) for i, p in enumerate(PROMPTS)]
     return cap
 
 

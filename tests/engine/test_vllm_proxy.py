@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +22,7 @@ import orjson
 import pytest
 
 from tests.helpers.procs import vllm_proxy_process
-from tests.helpers.vllm import VllmServer, vllm_server
+from tests.helpers.vllm import FP32_EXTRA, Engines, VllmServer
 
 pytestmark = pytest.mark.timeout(1200)  # one vLLM start on a busy 2-core machine
 # the tiny tokenizer has no chat template of its own
@@ -36,18 +35,10 @@ PATHS = {
 
 
 @pytest.fixture(scope="module")
-def engine(
-    vllm_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("vllm-proxy") / "vllm.log"
-    with vllm_server(
-        vllm_python,
-        tiny_model,
-        log,
-        dtype="float32",
-        extra=("--enable-scale-out", "--trust-request-chat-template"),
-    ) as server:
-        yield server
+def engine(engines: Engines) -> VllmServer:
+    """fp32, scale-out endpoints, chat templates from the request: the server the history
+    test's fp32 capture uses too (test_vllm_engine.py), started once for both."""
+    return engines.get("float32", FP32_EXTRA)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ The venv comes from ``.ci/vllm-venv.sh`` (``scripts/test.sh`` runs it and export
 ``TIMWATCH_REQUIRE_VLLM``, where it fails. One vLLM server at a time on this machine (each holds
 ~3.3 GiB and both cores while it starts): a server holds an exclusive file lock for its whole
 life, so servers of other test processes (xdist workers, other checkouts) wait their turn.
+Within the tier's session, `Engines` keeps the last server running for the next test that asks
+for the same settings, and stops it before starting another.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.helpers.procs import free_port
 from timwatch.sidecar.demo.vllm_engine import (
@@ -30,8 +32,13 @@ from timwatch.sidecar.demo.vllm_engine import (
     find_python,
 )
 
+if TYPE_CHECKING:
+    import pytest
+
 __all__ = [
     "BUILDER",
+    "FP32_EXTRA",
+    "Engines",
     "VLLM_ENV",
     "VllmServer",
     "build_tiny_model",
@@ -75,6 +82,37 @@ def vllm_server(
         yield server
     finally:
         server.stop()
+
+
+class Engines:
+    """At most one vLLM server of the tier at a time: `get` answers the running one when its
+    settings are the ones asked for, else stops it and starts those; `stop` stops it (before a
+    test that starts its own, as the demo does)."""
+
+    def __init__(self, python: str, model: Path, tmp: pytest.TempPathFactory) -> None:
+        self.python, self.model, self.tmp = python, model, tmp
+        self.key: tuple[str, tuple[str, ...]] | None = None
+        self.server: VllmServer | None = None
+        self._stack = ExitStack()
+
+    def get(self, dtype: str, extra: tuple[str, ...] = ()) -> VllmServer:
+        if self.server is not None and self.key == (dtype, extra):
+            return self.server
+        self.stop()
+        log = self.tmp.mktemp(f"vllm-{dtype}") / "vllm.log"
+        self.server = self._stack.enter_context(
+            vllm_server(self.python, self.model, log, dtype=dtype, extra=extra)
+        )
+        self.key = (dtype, extra)
+        return self.server
+
+    def stop(self) -> None:
+        self._stack.close()
+        self._stack, self.server, self.key = ExitStack(), None, None
+
+
+# the fp32 engine of the history test and of the proxy's tests: one start for both
+FP32_EXTRA = ("--enable-scale-out", "--trust-request-chat-template")
 
 
 _TOKENIZE = """
