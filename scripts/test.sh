@@ -37,9 +37,13 @@ PY="${PYTHON:-python3}"
 # numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
 # the background while the rest is installed and the linters run): otherwise the first
 # processes of both workers compile the same kernels at once, each taking over a minute, while
-# tests wait for their servers
-.venv/bin/python -c "from timwatch.monitor.core.engine import warm_up; warm_up()
-from timwatch.sidecar.proxy.compiled import warm_up as proxies; proxies('sglang'); proxies('vllm')" &
+# tests wait for their servers. Compiled fresh (a clone's empty cache), the kernels' LLVM IR is
+# read there too, for tests/unit/test_kernel_refcounts.py (which otherwise compiles them all
+# again, ~2 min of one worker)
+TIMWATCH_KERNEL_IR="$(mktemp /tmp/timwatch-kernel-ir.XXXXXX)"
+export TIMWATCH_KERNEL_IR
+trap 'rm -f "$TIMWATCH_KERNEL_IR"' EXIT
+.venv/bin/python -m tests.helpers.kernel_ir --warm-up "$TIMWATCH_KERNEL_IR" &
 warming=$!
 # schemathesis in its own cached venv: grafana-client's niquests pulls urllib3-future, which
 # replaces urllib3 where it is installed and breaks schemathesis's requests transport
@@ -62,7 +66,7 @@ if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
   stop_pg() {
     bash .ci/stop-postgres.sh "$PGDIR" >/dev/null 2>&1 || true
   }
-  trap stop_pg EXIT
+  trap 'stop_pg; rm -f "$TIMWATCH_KERNEL_IR"' EXIT
   pg_url="$(PGDIR="$PGDIR" bash .ci/start-postgres.sh | tail -n1)"
   [ -n "$pg_url" ] || { echo "PostgreSQL did not start" >&2; exit 1; }
   export TIMWATCH_TEST_PG_URL="$pg_url"

@@ -1,0 +1,111 @@
+"""Reference-count operations in the LLVM IR of the compiled workers, for
+``tests/unit/test_kernel_refcounts.py``.
+
+IR can be read only from code compiled in the process that reads it (code loaded from numba's
+cache has none, and a worker called only from compiled code gets its signatures by being
+compiled), so the reading is done by this module run as a script, in a fresh process:
+
+    python -m tests.helpers.kernel_ir [--warm-up] [OUT]
+
+It compiles every worker of `WORKERS` (with ``--warm-up``, first the warm-ups
+``scripts/test.sh`` runs to fill numba's cache before the tests: the same compilation, read once
+instead of done twice), then prints, or writes to ``OUT``, ``{name: {"nrt": bool, "ops": [count
+per signature]}}``. A worker whose IR cannot be read (its code came from the cache: a module
+without a function definition) is left out, so a reader knows to compile again with an empty
+cache (``NUMBA_CACHE_DIR``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+
+__all__ = ["REFOP", "WORKERS", "compile_workers", "read_ir"]
+
+WORKERS: list[tuple[str, str]] = [
+    ("timwatch.sidecar.proxy.deltascan", "_walk"),
+    ("timwatch.sidecar.proxy.deltascan", "_marks"),
+    ("timwatch.sidecar.proxy.deltascan", "_learn"),
+    ("timwatch.sidecar.proxy.numparse", "triples_into"),
+    ("timwatch.sidecar.proxy.scan", "_list_of_triples"),
+    ("timwatch.sidecar.proxy.scan", "_rows_into"),
+    ("timwatch.sidecar.proxy.scan", "_ints_into"),
+    ("timwatch.sidecar.proxy.scan", "_mark_flags"),
+    ("timwatch.sidecar.proxy.scan", "_frames_into"),
+    ("timwatch.sidecar.proxy.jsonspan", "_walk_into"),
+    ("timwatch.sidecar.proxy.jsonspan", "_member_numbers_into"),
+    ("timwatch.sidecar.proxy.dechunk", "_dechunk"),
+    ("timwatch.monitor.core.kernels", "_vector_phase"),
+    ("timwatch.monitor.core.kernels_walk", "walk_chunk"),
+    ("timwatch.monitor.core.kernels_walk", "fold_fine"),
+    ("timwatch.monitor.core.kernels_seq", "verl_segment"),
+    ("timwatch.monitor.core.kernels_seq", "top_k"),
+]
+REFOP = re.compile(r"call void @NRT_(incref|decref)\b")
+
+
+def compile_workers() -> None:
+    """Call what compiles every worker of `WORKERS`: the engine in its float32 specialisation
+    only (its float64 one is the same code; compiling both doubles the ~70 s this takes)."""
+    from timwatch.monitor.core import engine
+    from timwatch.sidecar.proxy import dechunk, deltascan, jsonspan, scan
+
+    deltascan.warm_up()
+    n = 4
+    f32 = np.full(n, -0.5, dtype=np.float32)
+    tiny = engine.Batch.from_arrays(
+        cu_seqlens=np.array([0, 2, n]), logp_rollout=f32, logp_train=f32 + np.float32(0.1),
+        entropy=np.full(n, 0.3, dtype=np.float32), loss_mask=np.ones(n, dtype=np.uint8),
+        versions=np.zeros(n, np.int64), policy_version=0, logp_old=np.full(n, -0.45),
+    )  # fmt: skip
+    engine.accumulate(tiny, threads=1)
+    dechunk.Dechunker().feed(b"3\r\nabc\r\n0\r\n\r\n")
+    doc = jsonspan.u8(b'{"a":[{"k":1},{"k":2.5}],"b":"x"}')
+    jsonspan.walk(doc, 8, 8)
+    jsonspan.member_numbers(doc, 5, np.frombuffer(b"k", np.uint8).copy())
+    scan.scan_rows(np.frombuffer(b"[[[-1.5,2,null]]]", np.uint8), 0)
+
+
+def read_ir(workers: list[tuple[str, str]] = WORKERS) -> dict[str, dict[str, Any]]:
+    """Each worker's ``nrt`` option and reference-count operations per signature (none: the
+    worker was not compiled); a worker whose code came from the cache is left out."""
+    out: dict[str, dict[str, Any]] = {}
+    for module, name in workers:
+        worker = getattr(importlib.import_module(module), name)
+        with warnings.catch_warnings():
+            # numba warns, and answers a module without code, for code loaded from its cache
+            warnings.simplefilter("ignore")
+            irs = [worker.inspect_llvm(sig) for sig in worker.signatures]
+        if all("define " in ir for ir in irs):
+            ops = [len(REFOP.findall(ir)) for ir in irs]
+            out[name] = {"nrt": worker.targetoptions.get("_nrt", True), "ops": ops}
+    return out
+
+
+def main(argv: list[str]) -> None:
+    warm = "--warm-up" in argv
+    args = [a for a in argv if a != "--warm-up"]
+    compile_workers()
+    if warm:
+        from timwatch.monitor.core.engine import warm_up
+        from timwatch.sidecar.proxy.compiled import warm_up as proxies
+
+        warm_up()
+        proxies("sglang")
+        proxies("vllm")
+    text = json.dumps(read_ir())
+    if args:
+        with open(args[0], "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
