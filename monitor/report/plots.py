@@ -24,6 +24,7 @@ DPI = 96
 #: a curve: label, steps, values
 Curve = tuple[str, np.ndarray[Any, Any], np.ndarray[Any, Any]]
 _LINE_STYLES = ("--", ":", "-.")
+_SERIES_MARGINS = {"left": 0.075, "right": 0.99, "bottom": 0.15, "top": 0.91}
 
 
 def _png(fig: Figure) -> str:
@@ -43,7 +44,8 @@ def series_png(
 ) -> str:
     """Curves over steps with each threshold ``(value, label)`` as a dashed red line; a log y
     axis when asked and every plotted value is positive."""
-    fig = Figure(figsize=(10, 3.2), layout="constrained")
+    fig = Figure(figsize=(10, 3.2))
+    fig.subplots_adjust(**_SERIES_MARGINS)
     ax = fig.add_subplot()
     values: list[float] = []
     for label, x, y in curves:
