@@ -2,7 +2,8 @@
 
 Only `matplotlib.figure.Figure` objects are created (never pyplot), so rendering holds no
 global state and may run in several threads at once. A figure is self-contained: the page
-embeds it as ``data:image/png;base64,…`` and needs no network to show it.
+embeds it as ``data:image/png;base64,…`` and needs no network to show it. Each figure function
+answers a figure it drew before for the same arguments from `figcache` (bounded by bytes).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+
+from timwatch.monitor.report.figcache import cached
 
 __all__ = ["Curve", "buckets_png", "heatmap_png", "series_png"]
 
@@ -34,6 +37,7 @@ def _png(fig: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+@cached
 def series_png(
     title: str,
     curves: Sequence[Curve],
@@ -73,6 +77,7 @@ def _edge_labels(edges: Sequence[float]) -> list[str]:
     return [f"[{a:g}, {b:g})" for a, b in zip(edges, [*edges[1:], math.inf], strict=True)]
 
 
+@cached
 def heatmap_png(heatmap: dict[str, Any]) -> str:
     """Two panels of token counts on the H × |δ| grid: every masked token, ESTR-rejected."""
     fig = Figure(figsize=(10, 3.8), layout="constrained")
@@ -97,6 +102,7 @@ def heatmap_png(heatmap: dict[str, Any]) -> str:
     return _png(fig)
 
 
+@cached
 def buckets_png(
     length_buckets: dict[str, dict[str, Any]], lag_buckets: dict[str, dict[str, Any]] | None
 ) -> str:

@@ -1,9 +1,11 @@
 """``GET /v1/runs/{run}/report.html``: the incident report page of a run (monitor/report).
 
 Read-protected like the history queries. The route is a plain function, so FastAPI runs it in
-its threadpool: gathering and drawing (2.0-2.3 s for a 300-step run on a 2-core host, eight
-figures) never block the event loop that serves ``/metrics`` and ingest. With ``--tokenizer`` the worst tokens carry
-their text (``app.state.token_text``, loaded once by ``create_app``).
+its threadpool: gathering and drawing (1.7-1.8 s for a 300-step run on a 2-core host,
+`benchmarks/report_cost.py`; figures drawn before from the same data are reused,
+`report.figcache`) never block the event loop that serves ``/metrics`` and ingest. With
+``--tokenizer`` the worst tokens carry their text (``app.state.token_text``, loaded once by
+``create_app``).
 """
 
 from __future__ import annotations
