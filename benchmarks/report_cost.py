@@ -1,9 +1,10 @@
 """Time to build a run's incident report page, drawn and with its figures reused.
 
-A ``--steps``-step run (one 8-token sequence per step, KL rising over the last fifth) is written
-to a throw-away SQLite store; `build_report` is then timed ``--repeat`` times with the figure
-cache emptied before each call (every figure drawn) and ``--repeat`` times with it kept (the
-page asked again while no step arrived: figures reused), and the ratio printed.
+A ``--steps``-step run (`tests.helpers.report_runs`: one 8-token sequence per step, KL rising
+over the last fifth) is written to a throw-away SQLite store; `build_report` is then timed
+``--repeat`` times with the figure cache emptied before each call (every figure drawn) and
+``--repeat`` times with it kept (the page asked again while no step arrived: figures reused),
+and the ratio printed.
 
     python benchmarks/report_cost.py [--steps 300] [--repeat 4]
 """
@@ -19,29 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-
-from timwatch.monitor.core.engine import Batch, accumulate  # noqa: E402
+from tests.helpers.report_runs import ingest_steps  # noqa: E402
 from timwatch.monitor.report import build_report, figcache  # noqa: E402
 from timwatch.monitor.store import Store  # noqa: E402
-
-
-def fill(store: Store, run: str, n: int) -> None:
-    rng = np.random.default_rng(7)
-    for step in range(n):
-        t = 8
-        mu = -rng.random(t) * 2 - 1.0
-        scale = 0.01 if step < 0.8 * n else 0.2
-        batch = Batch.from_arrays(
-            cu_seqlens=np.array([0, t], np.int64), logp_rollout=mu,
-            logp_train=mu + rng.normal(0, scale, t), entropy=rng.random(t) + 0.05,
-            loss_mask=np.ones(t, np.int64), versions=np.full(t, step, np.int64),
-            step=step, batch_id=None, policy_version=step + 1,
-        )  # fmt: skip
-        store.record_batch(
-            run, step=step, batch_id=None, acc=accumulate(batch), tokens=t,
-            respond=lambda row: {}, now=1.0e9 + step,
-        )  # fmt: skip
 
 
 def timed(store: Store, run: str, repeat: int, clear: bool) -> list[float]:
@@ -63,7 +44,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(f"sqlite:///{tmp}/report.db", sqlite_synchronous="OFF")
         try:
-            fill(store, "r", args.steps)
+            ingest_steps(store, "r", args.steps)
             build_report(store, "r")  # matplotlib and fonts loaded
             drawn = timed(store, "r", args.repeat, clear=True)
             reused = timed(store, "r", args.repeat, clear=False)

@@ -18,10 +18,9 @@ import pytest
 
 from tests.helpers.batches import random_batch
 from tests.helpers.procs import REPO, ServerProc
+from tests.helpers.report_runs import ingest_steps
 from tests.helpers.wire import as_batch
 from timwatch.monitor.client import TimwatchClient
-from timwatch.monitor.core.batch import Batch
-from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.report import build_report
 from timwatch.monitor.store import Store
 
@@ -129,34 +128,12 @@ def test_cli_writes_the_served_page(
     assert lone.returncode != 0 and "go with --html" in lone.stdout + lone.stderr
 
 
-def _ingest_steps(store: Store, run: str, n: int) -> None:
-    """``n`` one-sequence steps straight through the store; KL grows over the last fifth."""
-    rng = np.random.default_rng(7)
-    for step in range(n):
-        t = 8
-        mu = -rng.random(t) * 2 - 1.0
-        scale = 0.01 if step < 0.8 * n else 0.2
-        kw = {
-            "cu_seqlens": np.array([0, t], np.int64),
-            "logp_rollout": mu,
-            "logp_train": mu + rng.normal(0, scale, t),
-            "entropy": rng.random(t) + 0.05,
-            "loss_mask": np.ones(t, np.int64),
-            "versions": np.full(t, step, np.int64),
-        }
-        batch = Batch.from_arrays(**kw, step=step, batch_id=None, policy_version=step + 1)
-        store.record_batch(
-            run, step=step, batch_id=None, acc=accumulate(batch), tokens=t,
-            respond=lambda row: {}, now=1.0e9 + step,
-        )  # fmt: skip
-
-
 @pytest.mark.timeout(900)  # 10k ingests: minutes when the machine is busy
 def test_report_of_a_10k_step_run_is_under_5_mb(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'long.db'}", sqlite_synchronous="OFF")
     try:
         t0 = time.perf_counter()
-        _ingest_steps(store, "long", 10_000)
+        ingest_steps(store, "long", 10_000)
         t1 = time.perf_counter()
         page = build_report(store, "long")
         t2 = time.perf_counter()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.report_runs import ingest_steps
 from timwatch.monitor.report import build_report, figcache, plots
 from timwatch.monitor.store import Store
 
@@ -104,38 +105,20 @@ def test_the_cache_stays_under_its_bound_oldest_unused_dropped_first() -> None:
 def test_a_report_asked_again_reuses_its_figures_until_a_new_step_arrives(
     draws: list[int], tmp_path: Path
 ) -> None:
-    from tests.service.test_report import _ingest_steps
-
     store = Store(f"sqlite:///{tmp_path / 'r.db'}", sqlite_synchronous="OFF")
     try:
-        _ingest_steps(store, "r", 20)
+        ingest_steps(store, "r", 20)
         first = build_report(store, "r")
         once = draws[0]
         assert once >= 6
         build_report(store, "r")
         assert draws[0] == once  # nothing drawn again
-        _ingest_steps(store, "r2", 1)  # another run: r's figures stay valid
+        ingest_steps(store, "r2", 1)  # another run: r's figures stay valid
         build_report(store, "r")
         assert draws[0] == once
-        _ingest_more(store, "r", 20)
+        ingest_steps(store, "r", 1, first=20)
         again = build_report(store, "r")
         assert draws[0] > once and again != first
         assert "21 steps, steps 0–20" in again
     finally:
         store.close()
-
-
-def _ingest_more(store: Store, run: str, step: int) -> None:
-    from timwatch.monitor.core.engine import Batch, accumulate
-
-    t = 8
-    mu = np.full(t, -1.0)
-    batch = Batch.from_arrays(
-        cu_seqlens=np.array([0, t], np.int64), logp_rollout=mu, logp_train=mu - 0.5,
-        entropy=np.full(t, 0.5), loss_mask=np.ones(t, np.int64), versions=np.full(t, step),
-        step=step, batch_id=None, policy_version=step + 1,
-    )  # fmt: skip
-    store.record_batch(
-        run, step=step, batch_id=None, acc=accumulate(batch), tokens=t,
-        respond=lambda row: {}, now=2.0e9,
-    )  # fmt: skip
