@@ -88,7 +88,10 @@ def cached(fn: Callable[P, str]) -> Callable[P, str]:
 
     @wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> str:
-        key = key_of(fn.__qualname__, args, dict(kwargs))
+        try:
+            key = key_of(fn.__qualname__, args, dict(kwargs))
+        except (pickle.PicklingError, TypeError, AttributeError):
+            return fn(*args, **kwargs)  # inputs without a digest: drawn, not kept
         return CACHE.get_or_draw(key, lambda: fn(*args, **kwargs))
 
     return wrapper

@@ -122,3 +122,22 @@ def test_a_report_asked_again_reuses_its_figures_until_a_new_step_arrives(
         assert "21 steps, steps 0–20" in again
     finally:
         store.close()
+
+
+def test_inputs_that_cannot_be_digested_are_drawn_every_time() -> None:
+    calls: list[int] = []
+
+    @figcache.cached
+    def figure(title: str, label: object) -> str:
+        calls.append(1)
+        return f"data:{title}"
+
+    figcache.CACHE.clear()
+    try:
+        assert figure("t", lambda: 0) == figure("t", lambda: 0) == "data:t"  # not picklable
+        assert len(calls) == 2 and figcache.CACHE.size == 0
+        figure("t", "x")
+        figure("t", "x")
+        assert len(calls) == 3 and figcache.CACHE.hits == 1
+    finally:
+        figcache.CACHE.clear()
