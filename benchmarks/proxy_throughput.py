@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="",
-        help="comma-separated modes to run (plain,paced,incremental,cumulative)",
+        help="comma-separated modes to run (plain,paced,incremental,decoding,cumulative)",
     )
     ap.add_argument(
         "--decode-ms",
@@ -194,6 +194,13 @@ def main() -> None:
         default=50.0,
         help="the paced engine's time per answer (the 'paced' rows: added latency when the "
         "engine takes the time a real one does, so deferred captures run while it decodes)",
+    )
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=2.0,
+        help="the decoding engine's time per token (the 'decoding' row: an incremental stream "
+        "written one frame per decode step, so the proxy gets about one frame per read)",
     )
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})
@@ -207,6 +214,7 @@ def main() -> None:
         ("paced", 4096, 1),
         ("paced", 64, 1),
         ("incremental", 4096, 64),
+        ("decoding", 512, 64),
         ("cumulative", 4096, 1),
         ("cumulative", 4096, 4),
     ]
@@ -218,12 +226,13 @@ def main() -> None:
         ports: dict[str, tuple[int, int, int]] = {}
         topk = ["--topk", str(args.topk)] if args.topk else []
         wanted = {s[0] for s in scenarios}
-        for mode in ("cumulative", "incremental", "paced"):
+        for mode in ("cumulative", "incremental", "decoding", "paced"):
             if mode != "cumulative" and mode not in wanted:
                 continue
             extra = {
                 "cumulative": [],
                 "incremental": ["--incremental-streaming-output"],
+                "decoding": ["--incremental-streaming-output", "--step-ms", str(args.step_ms)],
                 "paced": ["--decode-ms", str(args.decode_ms)],
             }[mode]
             ports[mode] = _start_pair(stack, "sglang", extra, topk)
@@ -240,7 +249,7 @@ def main() -> None:
         per_core: dict[tuple[str, int, int], float] = {}
         bytes_core: dict[tuple[str, int, int], float] = {}
         for mode, tokens, conc in scenarios:
-            engine, proxy, pid = ports[mode if mode in ("incremental", "paced") else "cumulative"]
+            engine, proxy, pid = ports[mode if mode != "plain" else "cumulative"]
             body: dict = {
                 "input_ids": list(range(16)),
                 "sampling_params": {"max_new_tokens": tokens},
@@ -249,7 +258,7 @@ def main() -> None:
             if args.client == "logprobs":
                 body["return_logprob"] = True
             # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
-            seconds = args.seconds * {"cumulative": 6, "incremental": 2}.get(mode, 1)
+            seconds = args.seconds * {"cumulative": 6, "incremental": 2, "decoding": 2}.get(mode, 1)
             d_rps, d_p50, _ = _load(engine, body, conc, seconds)
             before, cpu0, wait0 = _captured(proxy), _cpu_s(pid), _waited_s(pid)
             t0 = time.perf_counter()
@@ -262,6 +271,7 @@ def main() -> None:
             label = f"{tokens} tokens, " + {
                 "plain": "not streamed",
                 "paced": f"not streamed, engine {args.decode_ms:.0f} ms",
+                "decoding": f"incremental, {args.step_ms:g} ms a token",
             }.get(mode, f"{mode} stream")
             ratio = p_rps / d_rps if d_rps else float("nan")
             per_core[(mode, tokens, conc)] = tok_s / max(busy, 1e-9)
@@ -277,7 +287,7 @@ def main() -> None:
             )
         plain = per_core.get(("plain", 4096, 64))
         for (mode, _tokens, _conc), value in per_core.items():
-            if mode in ("incremental", "cumulative") and plain:
+            if mode in ("incremental", "decoding", "cumulative") and plain:
                 in_bytes = bytes_core[(mode, _tokens, _conc)] / bytes_core[("plain", 4096, 64)]
                 print(
                     f"{mode} stream per proxy core / plain per proxy core: {value / plain:.2f} "

@@ -9,7 +9,9 @@ as SGLang sends with ``stream_interval = 1``. Each answer gets a fresh ``meta_in
 A stream is rendered once per request shape and then written in ~256 kB pieces (the id joined
 in), so the stand-in costs a few copies per stream, not Python per frame: what it delivers is
 what a real engine's many small writes deliver to a busy proxy, coalesced reads. The rendered
-streams stay in memory (a 4,096-token cumulative one is 339 MB).
+streams stay in memory (a 4,096-token cumulative one is 339 MB). With ``--step-ms`` a stream is
+written as an engine decoding writes it instead: one frame (one HTTP chunk) per decode step,
+``--step-ms`` apart, so a proxy that keeps up gets one frame per read.
 
 Plain asyncio streams and httptools (`standin_http`); HTTP/1.1 keep-alive; chunked encoding
 for streams.
@@ -110,6 +112,7 @@ async def _handle(
     answers: Answers,
     streams: Streams,
     decode_s: float = 0.0,
+    step_s: float = 0.0,
 ) -> None:
     if req.url.startswith(b"/health"):
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
@@ -117,7 +120,7 @@ async def _handle(
     body: dict[str, Any] = orjson.loads(bytes(req.body))
     if decode_s:
         await asyncio.sleep(decode_s)
-    await _generate(body, writer, answers, streams)
+    await _generate(body, writer, answers, streams, step_s)
     await writer.drain()
 
 
@@ -147,9 +150,30 @@ class Streams:
             self.cache[key] = b"".join(parts).split(_RID)
         return self.cache[key]
 
+    def frames(self, n: int, shape: tuple[bool, int, bool], prompt: bytes) -> list[bytes]:
+        """The stream's chunks one frame each (the last also holds ``[DONE]`` and the last
+        chunk), each with `_RID` where the answer's id goes."""
+        key = (-n, *shape, prompt)
+        if key not in self.cache:
+            rest = _RID.join(self.segments(n, shape, prompt))
+            out, pos = [], 0
+            while pos < len(rest):
+                line = rest.index(b"\r\n", pos)
+                size = int(rest[pos:line], 16)
+                end = line + 2 + size + 2
+                out.append(rest[pos:end])
+                pos = end
+            out[-2:] = [out[-2] + out[-1]]
+            self.cache[key] = out
+        return self.cache[key]
+
 
 async def _generate(
-    body: dict[str, Any], writer: asyncio.StreamWriter, answers: Answers, streams: Streams
+    body: dict[str, Any],
+    writer: asyncio.StreamWriter,
+    answers: Answers,
+    streams: Streams,
+    step_s: float = 0.0,
 ) -> None:
     n = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
     lp = bool(body.get("return_logprob"))
@@ -169,6 +193,12 @@ async def _generate(
     writer.write(
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     )
+    if step_s:
+        for frame in streams.frames(n, shape, prompt):
+            writer.write(frame.replace(_RID, rid))
+            await writer.drain()
+            await asyncio.sleep(step_s)
+        return
     segments = streams.segments(n, shape, prompt)
     # about 256 kB per write, each id filled in by the join
     step = max(1, (256 << 10) * len(segments) // sum(map(len, segments)))
@@ -191,10 +221,17 @@ def main() -> None:
         default=0.0,
         help="wait this long before each /generate answer, as a real engine decodes",
     )
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="write a stream one frame per decode step, this far apart (0: in big pieces)",
+    )
     args = ap.parse_args()
     answers = Answers()
     streams = Streams(answers, args.incremental_streaming_output)
-    serve(args.port, lambda req, w: _handle(req, w, answers, streams, args.decode_ms / 1e3))
+    decode_s, step_s = args.decode_ms / 1e3, args.step_ms / 1e3
+    serve(args.port, lambda req, w: _handle(req, w, answers, streams, decode_s, step_s))
 
 
 if __name__ == "__main__":
