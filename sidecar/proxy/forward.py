@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.rawrelay import RawStreamResponse
+from timwatch.sidecar.proxy.rawrelay import RawStreamResponse, StreamSink
 from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamResponse
 
 __all__ = [
@@ -220,7 +220,7 @@ async def forward_planned(
     stream: bool,
     relay_chunks: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]],
     answer: Callable[[bytes], tuple[bytes, Callable[[], None] | None]],
-    raw_capture: Callable[[], Callable[[bytes], None]] | None = None,
+    raw_capture: Callable[[], StreamSink] | None = None,
 ) -> Response:
     """Send ``content`` (the planned body) upstream and answer the client.
 

@@ -25,7 +25,7 @@ raises `UpstreamError` after the head went out, and uvicorn closes the client co
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.responses import StreamingResponse
@@ -33,9 +33,18 @@ from starlette.types import Receive, Scope, Send
 
 from timwatch.sidecar.proxy.upstream import UpstreamResponse
 
-__all__ = ["ProxyApp", "RawStreamResponse", "uvicorn_cycle"]
+__all__ = ["ProxyApp", "RawStreamResponse", "StreamSink", "uvicorn_cycle"]
 
 _SEND = "timwatch.server_send"
+
+
+class StreamSink(Protocol):
+    """What a relayed stream's de-chunked body is fed to, read by read (`relay.StreamReads`);
+    closed once when the relay ends, however it ends."""
+
+    def __call__(self, body: bytes, /) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ProxyApp(Starlette):
@@ -68,15 +77,15 @@ class RawStreamResponse(StreamingResponse):
     """A 200 chunked stream relayed raw when `uvicorn_cycle` allows, else as ``fallback``
     (the de-chunked body, relayed and captured by the caller's generator).
 
-    ``capture`` makes the function the de-chunked body is fed to, read by read, after the
-    bytes it came in were handed to the client's transport; ``counters["raw_streams"]``
-    counts the streams relayed raw."""
+    ``capture`` makes the sink the de-chunked body is fed to, read by read, after the bytes
+    it came in were handed to the client's transport, and closed when the relay ends;
+    ``counters["raw_streams"]`` counts the streams relayed raw."""
 
     def __init__(
         self,
         upstream: UpstreamResponse,
         fallback: AsyncIterator[bytes],
-        capture: Callable[[], Callable[[bytes], None]],
+        capture: Callable[[], StreamSink],
         *,
         status_code: int,
         headers: Mapping[str, str],
@@ -129,4 +138,5 @@ class RawStreamResponse(StreamingResponse):
                     break
         finally:
             upstream.release()
+            feed.close()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -12,7 +12,7 @@ searched yet, and every frame complete in one read is relayed in one write.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import numpy as np
 import orjson
@@ -38,7 +38,7 @@ from timwatch.sidecar.proxy.sglang_wire import (
     loads,
 )
 
-__all__ = ["StreamReads", "relay_stream", "stream_capture"]
+__all__ = ["BATCH_BYTES", "StreamReads", "relay_stream", "stream_capture"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,10 @@ _SMALL_FRAME = 4096
 # Runs of one sample's small deltas are read by `deltascan.scan_deltas` first (False: every
 # small frame by `scan.scan_frames`, as before it; kept for A/B measurements).
 FAST_DELTAS = True
+# Reads shorter than this are kept and read together (`StreamReads`): an engine decoding writes
+# one frame per token, so a proxy that keeps up gets one frame per read, and reading each alone
+# cost several times the frame's bytes.
+BATCH_BYTES = 64 << 10
 
 
 class _Stream:
@@ -216,26 +220,33 @@ async def relay_stream(
 
 async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     reads = StreamReads(stream)
-    async for chunk in chunks:
-        yield chunk
-        reads(chunk)
+    try:
+        async for chunk in chunks:
+            yield chunk
+            reads(chunk)
+    finally:
+        reads.close()
 
 
-def stream_capture(cap: Capturer, plan: RequestPlan) -> Callable[[bytes], None]:
-    """What captures an unchanged request's stream from its body bytes, fed read by read,
-    when something else relays the bytes to the client (`proxy.rawrelay`)."""
+def stream_capture(cap: Capturer, plan: RequestPlan) -> StreamReads:
+    """What captures an unchanged request's stream from its body bytes, fed read by read and
+    closed at its end, when something else relays the bytes to the client (`proxy.rawrelay`)."""
     return StreamReads(_Stream(cap, plan))
 
 
 class StreamReads:
-    """The frames of one stream cut out of its reads as they come and captured; a read is
-    never copied whole (a short frame begun in one read is joined alone, a long one from
-    views of its pieces). A capture that fails unexpectedly (a bug, not a malformed sample:
-    those are counted per sample) is logged and counted as a wire error, and the rest of the
-    stream is not captured; the relay, which calls this after sending the read on, goes on."""
+    """The frames of one stream cut out of its reads and captured. Reads shorter than
+    `BATCH_BYTES` are kept until that many arrived, or until `close`, and read together;
+    longer ones are never copied whole (a short frame begun in one read is joined alone, a
+    long one from views of its pieces). `close` reads what is kept: every frame fed before it
+    is captured, and a sample is committed once its finished frame is read. A capture that
+    fails unexpectedly (a bug, not a malformed sample: those are counted per sample) is logged
+    and counted as a wire error, and the rest of the stream is not captured; the relay, which
+    calls this after sending the read on, goes on."""
 
     def __init__(self, stream: _Stream) -> None:
         self.stream = stream
+        self.kept = bytearray()  # short reads not read yet
         self.tail = b""  # the start of a frame still arriving, when short
         self.parts: list[memoryview] = []  # a long frame still arriving, not yet copied
         self.failed = False
@@ -243,6 +254,22 @@ class StreamReads:
     def __call__(self, chunk: bytes) -> None:
         if self.failed:
             return
+        if self.kept or len(chunk) < BATCH_BYTES:
+            self.kept += chunk
+            if len(self.kept) < BATCH_BYTES:
+                return
+            chunk = bytes(self.kept)
+            self.kept.clear()
+        self._capture(chunk)
+
+    def close(self) -> None:
+        """Read the reads still kept (the body ended, or its relay stopped); idempotent."""
+        if self.kept and not self.failed:
+            chunk = bytes(self.kept)
+            self.kept.clear()
+            self._capture(chunk)
+
+    def _capture(self, chunk: bytes) -> None:
         try:
             self._read(chunk)
         except Exception:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import cast
 from urllib.parse import urlsplit
@@ -153,6 +154,7 @@ class UpstreamResponse:
         self._keep_alive = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._last_push = 0.0  # when the last read was pushed (`time.monotonic`)
         self.got_bytes = False
 
     @property
@@ -192,10 +194,10 @@ class UpstreamResponse:
             self._error = exc
         self._wake()
 
-    async def _wait(self) -> None:
+    async def _wait(self, timeout: float | None = None) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(self._waiter, self._timeout)
+            await asyncio.wait_for(self._waiter, self._timeout if timeout is None else timeout)
         except asyncio.TimeoutError:
             raise UpstreamError("upstream read timed out", timeout=True) from None
         finally:
@@ -245,6 +247,7 @@ class UpstreamResponse:
         the other connections' answers, which would evict it from the CPU's caches (a read
         that waited for its turn took 3x as long to de-chunk). Wait with `pushed`; reading
         pauses and resumes with `pause_reading` and `resume_reading`."""
+        self._last_push = time.monotonic()
         self._sink = sink
         if self._raw:  # what arrived before the relay began
             self._push(None)
@@ -271,19 +274,36 @@ class UpstreamResponse:
         except Exception as exc:  # the relay's own failure: `pushed` raises it
             self._sink_error = exc
             self._conn.close()
-        self._wake()
+        self._last_push = time.monotonic()
+        if self._done or self._paused or self._sink_error is not None:
+            # only then has the waiting relay something to do: an incremental stream arrives
+            # about one frame per read, and waking it on every read cost a task step each
+            self._wake()
 
     async def pushed(self) -> bool:
-        """After `push_to`: wait until the next read was pushed (True) or the body is complete
-        (False). Raises `UpstreamError` if the body breaks off, its framing is broken or no
-        read comes within the timeout, and what the sink raised."""
+        """After `push_to`: wait until the body is complete (False) or a read paused reading
+        (True: the relay resumes it when its client can take more). Reads that do neither
+        are handed on without waking the caller. Raises `UpstreamError` if the body breaks
+        off, its framing is broken or no read comes within the timeout (counted from the last
+        read, not from the call), and what the sink raised."""
         if self._sink_error is not None:
             raise self._sink_error
         if self._done:
             return False
         if self._error is not None:
             raise self._error
-        await self._wait()
+        while True:
+            since = self._last_push
+            try:
+                if self._timeout is None:
+                    await self._wait()
+                else:
+                    await self._wait(max(self._timeout - (time.monotonic() - since), 0.0))
+                break
+            except UpstreamError as exc:
+                if not exc.timeout or self._last_push == since:
+                    raise
+                # reads came while waiting: the timeout counts from the latest
         if self._sink_error is not None:
             raise self._sink_error
         if self._error is not None and not self._done:

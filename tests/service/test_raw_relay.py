@@ -362,3 +362,41 @@ def test_broken_upstream_framing_closes_the_client_connection_and_is_not_reused(
         with httpx.Client(timeout=30) as client:
             assert client.post(f"{proxy}/generate", json=BODY).content == good
         assert up.conns == [0, 1]  # the broken connection was not used again
+
+
+def test_an_engine_decoding_one_frame_per_write_for_longer_than_the_timeout() -> None:
+    """How an engine decoding writes: one frame per chunk and per write, 100 ms apart, the
+    stream lasting over 1 s against the proxy's 0.5 s upstream timeout. The proxy reads each frame
+    as it comes without waking its relay for it, so the timeout counts from the last read: the
+    stream is relayed byte for byte and captured. A gap of 1.5 s between two writes is still a
+    timeout: the client's connection closes before the last chunk."""
+    with fake_sglang_process(True) as sglang:
+        sse = httpx.post(f"{sglang}/generate", json=BODY, timeout=60).content
+    want = _object_record(sse)
+    frames = [f + b"\n\n" for f in sse.split(b"\n\n") if f]
+    assert b"".join(frames) == sse and len(frames) > 10
+    chunks = [b"%x\r\n%s\r\n" % (len(f), f) for f in frames]
+    with raw_upstream() as up, sglang_proxy_process(up.url, "--timeout", "0.5") as proxy:
+        port = int(proxy.rsplit(":", 1)[1])
+        up.wire = b"".join(chunks) + b"0\r\n\r\n"
+        up.writes, up.pause = [len(c) for c in chunks], 0.1
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        started = time.monotonic()
+        sock.sendall(_request())
+        head, raw = _read_answer(sock)
+        took = time.monotonic() - started
+        sock.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert raw == up.wire
+        assert took > 1.0  # longer than the timeout
+        held = httpx.get(f"{proxy}/timwatch/records", timeout=30).json()["records"]
+        assert [(r["output_ids"], r["logp"]) for r in held] == [want]
+        counters = _counters(proxy)
+        assert counters["proxy"]["upstream_errors"] == 0
+        up.writes, up.pause = [sum(len(c) for c in chunks[:5])], 1.5
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall(_request())
+        with pytest.raises(ConnectionError):
+            _read_answer(sock)
+        sock.close()
+        assert _counters(proxy)["capture"]["captured"] == 1  # the broken one is not

@@ -8,8 +8,13 @@ whole wire byte by byte.
 
 from __future__ import annotations
 
-import pytest
+from typing import Any
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from timwatch.sidecar.proxy import dechunk
 from timwatch.sidecar.proxy.dechunk import Dechunker, DechunkError
 
 PARTS = [b"data: {}\n\n", b"x" * 300, b"\r\n0\r\n", b"hello" * 40, b"z"]
@@ -170,3 +175,95 @@ def test_raw_relay_releases_every_chunk_but_the_last_however_cut(
             assert held == b"" or held.startswith(b"0"), (reads, got, fed)
             assert got >= min(fed, last) - len(held)
         assert released == sorted(released)
+
+
+def _trace(reads: list[bytes]) -> list[tuple[bytes, int, bool] | str]:
+    """What `Dechunker.feed_raw` gives read by read (body, releasable bytes, done), or the
+    error it raised."""
+    d, out = Dechunker(), []
+    for r in reads:
+        try:
+            body, safe = d.feed_raw(r)
+        except DechunkError:
+            out.append("error")
+            break
+        out.append((body, safe, d.done))
+    return out
+
+
+def test_reads_of_one_chunk_each_are_taken_apart_as_the_compiled_pass_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read that is exactly one chunk (how a proxy that keeps up reads an engine decoding)
+    skips the compiled pass; each read's body, releasable count and doneness, and where an
+    error is raised, are what the compiled pass alone gives, for reads that are one chunk,
+    that are not quite one, or that follow a read which ended inside a chunk."""
+    wire = _wire(PARTS)
+    chunks = [b"%x\r\n%s\r\n" % (len(p), p) for p in PARTS] + [b"0\r\n\r\n"]
+    assert b"".join(chunks) == wire
+    cases = [
+        chunks,
+        [chunks[0] + chunks[1], *chunks[2:]],
+        [chunks[0][:-1], chunks[0][-1:], *chunks[1:]],  # the CRLF split: no boundary after
+        [chunks[0][:3], chunks[0][3:], *chunks[1:]],
+        [b"%X\r\n%s\r\n" % (len(p), p) for p in PARTS] + [b"0\r\n\r\n"],
+        [b"%015x\r\n%s\r\n" % (len(p), p) for p in PARTS] + [b"0\r\n\r\n"],
+        [b"%016x\r\n%s\r\n" % (len(p), p) for p in PARTS],  # 16 digits: an error
+        [b"%x;e=1\r\n%s\r\n" % (len(p), p) for p in PARTS] + [b"0\r\n\r\n"],  # extension
+        [chunks[0], b"5\r\nhelloX\r\n"],  # data longer than its size
+        [chunks[0], b"5\r\nhell\r\n"],  # shorter
+        [chunks[0], b"5\r\nhello\n\r", b"0\r\n\r\n"],
+        [chunks[0], b"0\r\n\r\n", chunks[1]],  # a chunk after the end
+        [chunks[0], b"+5\r\nhello\r\n"],
+        [chunks[0], b"0x5\r\nhello\r\n"],
+    ]
+    for reads in cases:
+        monkeypatch.setattr(dechunk, "ONE_CHUNK_FAST", True)
+        fast = _trace(reads)
+        monkeypatch.setattr(dechunk, "ONE_CHUNK_FAST", False)
+        assert fast == _trace(reads), reads
+    monkeypatch.setattr(dechunk, "ONE_CHUNK_FAST", True)
+    compiled = dechunk._dechunk
+    calls: list[int] = []
+
+    def counted(buf: Any, out: Any, state: Any) -> int:
+        calls.append(len(buf))
+        return int(compiled(buf, out, state))
+
+    monkeypatch.setattr(dechunk, "_dechunk", counted)
+    _trace(chunks)
+    assert calls == [len(b"0\r\n\r\n")]  # only the last chunk took the compiled pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=12),
+    st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    st.sampled_from([b"%x", b"%X", b"%04x"]),
+)
+def test_any_reads_of_whole_chunks_give_what_the_compiled_pass_gives(
+    parts: list[bytes], groups: list[int], size: bytes
+) -> None:
+    """Chunks (any bytes, CRLFs included) grouped into reads of 0-3 whole chunks, or cut in
+    the middle where a group is 0: the same trace with and without the one-chunk path."""
+    chunks = [size % len(p) + b"\r\n" + p + b"\r\n" for p in parts] + [b"0\r\n\r\n"]
+    reads, i = [], 0
+    for g in groups * 4:
+        if i >= len(chunks):
+            break
+        if g == 0:
+            reads.append(chunks[i][: len(chunks[i]) // 2])
+            chunks[i] = chunks[i][len(chunks[i]) // 2 :]
+            continue
+        reads.append(b"".join(chunks[i : i + g]))
+        i += g
+    reads.append(b"".join(chunks[i:]))
+    reads = [r for r in reads if r]
+    try:
+        dechunk.ONE_CHUNK_FAST = False
+        want = _trace(reads)
+    finally:
+        dechunk.ONE_CHUNK_FAST = True
+    assert _trace(reads) == want
+    assert want[-1] != "error" and want[-1][2]  # type: ignore[index]
+    assert b"".join(t[0] for t in want) == b"".join(parts)  # type: ignore[index]

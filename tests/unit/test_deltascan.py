@@ -182,9 +182,14 @@ def _object_records(raw: bytes) -> dict[str, Any]:
     return {}
 
 
-def test_stream_capture_at_every_two_read_cut_equals_the_object_path() -> None:
+@pytest.mark.parametrize("batch", [1, relay.BATCH_BYTES], ids=["each-read", "kept"])
+def test_stream_capture_at_every_two_read_cut_equals_the_object_path(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`relay.stream_capture` (what the raw relay feeds) with the stream cut into two reads at
-    every byte: the record is the object path's."""
+    every byte, each read as it comes or both kept until `close`: the record is the object
+    path's."""
+    monkeypatch.setattr(relay, "BATCH_BYTES", batch)
     raw = _stream(14, shift=3)
     body = {"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}
     plan = plan_request(body, None)
@@ -197,6 +202,7 @@ def test_stream_capture_at_every_two_read_cut_equals_the_object_path() -> None:
         for part in (raw[:cut], raw[cut:]):
             if part:
                 feed(part)
+        feed.close()
         assert counters["wire_errors"] == 0
         (rec,) = [h.unpack() for h in got]
         assert rec.output_ids == want.output_ids, cut
@@ -209,7 +215,9 @@ def test_a_capture_that_fails_is_counted_and_stops_without_raising(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bug in the capture must not break the client's stream: `StreamReads` counts it as a
-    wire error, logs it, and captures nothing more of that stream (the next one is captured)."""
+    wire error, logs it, and captures nothing more of that stream (the next one is captured).
+    Each read is read as it comes here (`relay.BATCH_BYTES` 1)."""
+    monkeypatch.setattr(relay, "BATCH_BYTES", 1)
     raw = _stream(14, shift=3)
     plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
     assert plan is not None
@@ -228,13 +236,44 @@ def test_a_capture_that_fails_is_counted_and_stops_without_raising(
     half = len(raw) // 2
     feed(raw[:half])  # does not raise
     feed(raw[half:])
+    feed.close()
     assert counters["wire_errors"] == 1 and len(calls) == 1  # not tried again
     assert got == []
     monkeypatch.setattr(relay, "_read_small", real)
     feed = relay.stream_capture(cap, plan)
     feed(raw[:half])
     feed(raw[half:])
+    feed.close()
     assert counters["wire_errors"] == 1 and len(got) == 1
+
+
+@pytest.mark.parametrize("batch", [1, 700, relay.BATCH_BYTES], ids=["each", "700", "default"])
+def test_a_stream_fed_one_frame_per_read_equals_the_object_path(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How an engine decoding is read: one frame per read. With reads kept until 700 bytes
+    (batches end inside frames) or the default, the record is the object path's, committed by
+    `close` at the latest; a second `close`, or a read after it, changes nothing."""
+    monkeypatch.setattr(relay, "BATCH_BYTES", batch)
+    raw = _stream(60, shift=5)
+    plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
+    assert plan is not None
+    want = _object_records(raw)["abc"]
+    got: list[HeldRecord] = []
+    counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+    feed = relay.stream_capture(Capturer(got.append, counters, None), plan)
+    frames = [f + b"\n\n" for f in raw.split(b"\n\n") if f]
+    assert b"".join(frames) == raw
+    for frame in frames:
+        feed(frame)
+    if batch > len(raw):
+        assert got == []  # the default batch: all 60 frames kept
+    feed.close()
+    feed.close()
+    assert counters["wire_errors"] == 0
+    (rec,) = [h.unpack() for h in got]
+    assert rec.output_ids == want.output_ids
+    assert np.array_equal(np.asarray(rec.logp).view(np.int64), np.asarray(want.logp).view(np.int64))
 
 
 def test_relay_stream_through_the_fast_path_keeps_bytes() -> None:
