@@ -157,39 +157,30 @@ class Dechunker:
     def __init__(self) -> None:
         self._state = np.zeros(5, dtype=np.int64)
         self._boundary = True  # the next byte starts a chunk-size line
-
-    @property
-    def done(self) -> bool:
-        """The last chunk and the trailer's empty line have arrived."""
-        return bool(self._state[0] == _DONE)
+        self.done = False  # the last chunk and the trailer's empty line have arrived
 
     def feed(self, data: bytes) -> bytes:
         """The body bytes ``data`` carries; raises `DechunkError` on broken framing."""
-        if not data:
-            return b""
-        if self._boundary and ONE_CHUNK_FAST:
-            body = _one_chunk(data)
-            if body is not None:
-                self._state[4] = len(data)  # the rest of the state is unchanged: at a boundary
-                return body
-        out = np.empty(len(data), dtype=np.uint8)
-        state = self._state
-        got = _dechunk(np.frombuffer(data, dtype=np.uint8), out, state)
-        phase, left, digits, line, _ = state.tolist()
-        if phase == _ERROR:
-            raise DechunkError("bad chunked encoding from upstream")
-        self._boundary = phase == _SIZE and left == 0 and digits == 0 and line == 0
-        return out[:got].tobytes()
+        return self.feed_raw(data)[0]
 
     def feed_raw(self, data: bytes) -> tuple[bytes, int]:
         """The body bytes ``data`` carries, and how far the bytes fed so far may be relayed
         to a client as they are, counted from the start of ``data``: everything but the last
         chunk (``0`` size line, trailer, empty line) and a size line that may still be it.
         Negative when such a line began in an earlier read (those bytes are still held)."""
-        if data:
-            return self.feed(data), int(self._state[4])
-        _dechunk(np.frombuffer(b"\0", dtype=np.uint8)[:0], np.empty(0, np.uint8), self._state)
-        return b"", int(self._state[4])
+        if data and self._boundary and ONE_CHUNK_FAST:
+            body = _one_chunk(data)
+            if body is not None:  # at a boundary again: the compiled pass's state unchanged
+                return body, len(data)
+        state = self._state
+        out = np.empty(len(data), dtype=np.uint8)
+        got = _dechunk(np.frombuffer(data or b"\0", dtype=np.uint8)[: len(data)], out, state)
+        phase, left, digits, line, safe = state.tolist()
+        if phase == _ERROR and data:
+            raise DechunkError("bad chunked encoding from upstream")
+        self._boundary = phase == _SIZE and left == 0 and digits == 0 and line == 0
+        self.done = phase == _DONE
+        return out[:got].tobytes(), safe
 
 
 def _one_chunk(data: bytes) -> bytes | None:

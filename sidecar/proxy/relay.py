@@ -246,7 +246,8 @@ class StreamReads:
 
     def __init__(self, stream: _Stream) -> None:
         self.stream = stream
-        self.kept = bytearray()  # short reads not read yet
+        self.kept: list[bytes] = []  # short reads not read yet
+        self.kept_bytes = 0
         self.tail = b""  # the start of a frame still arriving, when short
         self.parts: list[memoryview] = []  # a long frame still arriving, not yet copied
         self.failed = False
@@ -255,19 +256,21 @@ class StreamReads:
         if self.failed:
             return
         if self.kept or len(chunk) < BATCH_BYTES:
-            self.kept += chunk
-            if len(self.kept) < BATCH_BYTES:
+            self.kept.append(chunk)
+            self.kept_bytes += len(chunk)
+            if self.kept_bytes < BATCH_BYTES:
                 return
-            chunk = bytes(self.kept)
-            self.kept.clear()
+            chunk = self._take()
         self._capture(chunk)
 
     def close(self) -> None:
         """Read the reads still kept (the body ended, or its relay stopped); idempotent."""
         if self.kept and not self.failed:
-            chunk = bytes(self.kept)
-            self.kept.clear()
-            self._capture(chunk)
+            self._capture(self._take())
+
+    def _take(self) -> bytes:
+        kept, self.kept, self.kept_bytes = self.kept, [], 0
+        return kept[0] if len(kept) == 1 else b"".join(kept)
 
     def _capture(self, chunk: bytes) -> None:
         try:
