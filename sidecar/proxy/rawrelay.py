@@ -6,9 +6,10 @@ proxy did not change, that is de-chunking every upstream read and chunking it ag
 ``timwatch sidecar`` runs), `RawStreamResponse` writes the response head through uvicorn, then
 the upstream's raw chunks (framing kept, its last ``0`` chunk and trailer left out) straight to
 the connection's transport, and lets uvicorn write the last chunk and finish the response, so
-keep-alive and its state stay uvicorn's. Each upstream read is written and captured (the
-de-chunked body) in the callback that received it (`UpstreamResponse.push_to`); while uvicorn's
-flow control says the client's socket is full, the upstream is not read.
+keep-alive and its state stay uvicorn's. Each upstream read is written and handed to the
+capture (the de-chunked body; `relay.StreamReads` reads short ones together) in the callback
+that received it (`UpstreamResponse.push_to`), and the capture is closed when the relay ends;
+while uvicorn's flow control says the client's socket is full, the upstream is not read.
 
 `ProxyApp` leaves uvicorn's own ``send`` in the scope; `uvicorn_cycle` accepts it only if it
 is the bound ``send`` of uvicorn's httptools request cycle and the response has not started.
