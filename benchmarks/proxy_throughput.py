@@ -17,7 +17,11 @@ At concurrency 1 with the instant stand-in, a deferred capture runs while the ne
 at the engine, which answers in ~0.2 ms: the capture's CPU is then in the next request's
 latency, so that row's "+p50" is close to "cpu/req". The ``paced`` rows (the engine takes
 ``--decode-ms``, as decoding does) show the latency the proxy adds when the capture runs while
-the engine works.
+the engine works. The ``decoding`` row has the stand-in write an incremental stream one frame
+per ``--step-ms`` (one chunk, one write), as an engine decoding does, so the proxy reads about
+one frame per read and what a read costs decides it, not the bytes; the stand-in and the load
+generator pay Python per frame too, so that row's requests/s and p50 are bound by core 0 and
+its "cpu/req" is the figure to read.
 
 The load generator is plain asyncio + httptools: N keep-alive connections, each sending the
 next request as soon as its answer has been read in full.
