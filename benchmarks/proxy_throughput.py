@@ -26,6 +26,9 @@ its "cpu/req" is the figure to read.
 The load generator is plain asyncio + httptools: N keep-alive connections, each sending the
 next request as soon as its answer has been read in full.
 
+``--no-stream-capture`` relays streams without reading them (the proxy's stream capture
+replaced by a sink that drops what it is fed): the relay's own cost per stream.
+
     python benchmarks/proxy_throughput.py [--seconds 5] [--quick] [--client logprobs|plain]
 """
 
@@ -98,11 +101,28 @@ class _Resp:
         self.done = True
 
 
+# ``--no-stream-capture``: the proxy's stream capture replaced, before it starts, by a sink that
+# drops what it is fed; what relaying a stream costs without reading it (plain answers are
+# still captured).
+_NO_STREAM_CAPTURE = """
+import timwatch.sidecar.proxy.sglang as s
+class Off:
+    def __call__(self, body): pass
+    def close(self): pass
+s.stream_capture = lambda cap, plan: Off()
+"""
+
+
 def _start_pair(
-    stack: ExitStack, engine: str, engine_args: list[str], proxy_args: list[str]
+    stack: ExitStack,
+    engine: str,
+    engine_args: list[str],
+    proxy_args: list[str],
+    prelude: str = "",
 ) -> tuple[int, int, int]:
     """Start ``benchmarks/<engine>_standin.py`` on core 0 and ``timwatch sidecar <engine>``
-    in front of it on core 1; return (engine port, proxy port, proxy pid)."""
+    in front of it on core 1 (after running ``prelude`` in it); return (engine port, proxy
+    port, proxy pid)."""
     e, p = _port(), _port()
     _start(
         stack,
@@ -112,7 +132,7 @@ def _start_pair(
     )
     proxy = [
         "-c",
-        "from timwatch.sidecar.cli import sidecar_app; sidecar_app()",
+        prelude + "\nfrom timwatch.sidecar.cli import sidecar_app; sidecar_app()",
         engine,
         "--upstream",
         f"http://127.0.0.1:{e}",
@@ -123,6 +143,10 @@ def _start_pair(
         *proxy_args,
     ]
     return e, p, _start(stack, 1, proxy, f"http://127.0.0.1:{p}/timwatch/healthz")
+
+
+# Answers read in full so far (warm-up included), for `--no-stream-capture`'s "cpu/req".
+_COMPLETED = [0]
 
 
 async def _conn(
@@ -142,6 +166,7 @@ async def _conn(
                 parser.feed_data(data)
             if parser.get_status_code() != 200:
                 raise RuntimeError(f"status {parser.get_status_code()}")
+            _COMPLETED[0] += 1
             if t0 >= warm:
                 lat.append(time.perf_counter() - t0)
                 sizes.append(resp.nbytes)
@@ -206,6 +231,12 @@ def main() -> None:
         help="the decoding engine's time per token (the 'decoding' row: an incremental stream "
         "written one frame per decode step, so the proxy gets about one frame per read)",
     )
+    ap.add_argument(
+        "--no-stream-capture",
+        action="store_true",
+        help="streams relayed but not read (the capture's sink drops them): the relay's own "
+        "cost; captured/s then counts plain answers only",
+    )
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})
     scenarios = [
@@ -239,11 +270,18 @@ def main() -> None:
                 "decoding": ["--incremental-streaming-output", "--step-ms", str(args.step_ms)],
                 "paced": ["--decode-ms", str(args.decode_ms)],
             }[mode]
-            ports[mode] = _start_pair(stack, "sglang", extra, topk)
+            prelude = _NO_STREAM_CAPTURE if args.no_stream_capture else ""
+            ports[mode] = _start_pair(stack, "sglang", extra, topk, prelude)
         print(
             f"load average at the start: {os.getloadavg()[0]:.1f}; "
             f"client: {args.client}; proxy topk: {args.topk or 'off'}; {args.seconds:.0f} s "
             "per cell; engine + load generator on core 0, proxy on core 1"
+            + (
+                "; --no-stream-capture: streams relayed, not read ('captured' counts the "
+                "tokens they relayed)"
+                if args.no_stream_capture
+                else ""
+            )
         )
         print(
             f"{'answer':<40}{'conc':>5}{'direct r/s':>12}{'proxy r/s':>11}{'ratio':>7}"
@@ -265,10 +303,13 @@ def main() -> None:
             seconds = args.seconds * {"cumulative": 6, "incremental": 2, "decoding": 2}.get(mode, 1)
             d_rps, d_p50, _ = _load(engine, body, conc, seconds)
             before, cpu0, wait0 = _captured(proxy), _cpu_s(pid), _waited_s(pid)
+            completed = _COMPLETED[0]
             t0 = time.perf_counter()
             p_rps, p_p50, size = _load(proxy, body, conc, seconds)
             took = time.perf_counter() - t0
             answered = _captured(proxy) - before
+            if args.no_stream_capture and body["stream"]:
+                answered = _COMPLETED[0] - completed  # relayed, not captured
             captured, cpu = answered * tokens, _cpu_s(pid) - cpu0
             tok_s, busy = captured / took, cpu / took
             waited = (_waited_s(pid) - wait0) / took
