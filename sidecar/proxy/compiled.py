@@ -19,8 +19,8 @@ def warm_up(engine: Literal["sglang", "vllm"]) -> None:
     `seal_after_warm_up` over every compiled module of the proxies: a scanner one proxy never
     warms must not compile inside its requests either."""
     reader = dechunk.Dechunker()
-    reader.feed_raw(b"5\r\nhello\r\n")
-    reader.feed_raw(b"")
+    reader.feed_raw(b"5\r\nhello\r\n3\r\nabc\r\n")  # two chunks: the compiled pass, not
+    reader.feed_raw(b"")  # the one-chunk path (`dechunk._one_chunk`)
     if engine == "sglang":
         deltascan.warm_up()
     else:
