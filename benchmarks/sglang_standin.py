@@ -135,37 +135,33 @@ class Streams:
 
     def __init__(self, answers: Answers, incremental: bool) -> None:
         self.answers, self.incremental = answers, incremental
+        self.chunks: dict[tuple[int, bool, int, bool, bytes], list[bytes]] = {}
         self.cache: dict[tuple[int, bool, int, bool, bytes], list[bytes]] = {}
-
-    def segments(self, n: int, shape: tuple[bool, int, bool], prompt: bytes) -> list[bytes]:
-        key = (n, *shape, prompt)
-        if key not in self.cache:
-            pieces = self.answers.pieces(n, shape[0], shape[1])
-            parts = []
-            for i in range(1, n + 1):
-                lo = i - 1 if self.incremental else 0
-                frame = b"data: " + _answer(pieces, n, lo, i, shape, _RID, i == n, prompt) + b"\n\n"
-                parts.append(b"%x\r\n%s\r\n" % (len(frame), frame))
-            parts.append(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
-            self.cache[key] = b"".join(parts).split(_RID)
-        return self.cache[key]
 
     def frames(self, n: int, shape: tuple[bool, int, bool], prompt: bytes) -> list[bytes]:
         """The stream's chunks one frame each (the last also holds ``[DONE]`` and the last
         chunk), each with `_RID` where the answer's id goes."""
-        key = (-n, *shape, prompt)
+        key = (n, *shape, prompt)
+        if key not in self.chunks:
+            self.chunks[key] = self._render(n, shape, prompt)
+        return self.chunks[key]
+
+    def segments(self, n: int, shape: tuple[bool, int, bool], prompt: bytes) -> list[bytes]:
+        """The whole stream split where the answer's ids go."""
+        key = (n, *shape, prompt)
         if key not in self.cache:
-            rest = _RID.join(self.segments(n, shape, prompt))
-            out, pos = [], 0
-            while pos < len(rest):
-                line = rest.index(b"\r\n", pos)
-                size = int(rest[pos:line], 16)
-                end = line + 2 + size + 2
-                out.append(rest[pos:end])
-                pos = end
-            out[-2:] = [out[-2] + out[-1]]
-            self.cache[key] = out
+            self.cache[key] = b"".join(self._render(n, shape, prompt)).split(_RID)
         return self.cache[key]
+
+    def _render(self, n: int, shape: tuple[bool, int, bool], prompt: bytes) -> list[bytes]:
+        pieces = self.answers.pieces(n, shape[0], shape[1])
+        parts = []
+        for i in range(1, n + 1):
+            lo = i - 1 if self.incremental else 0
+            frame = b"data: " + _answer(pieces, n, lo, i, shape, _RID, i == n, prompt) + b"\n\n"
+            parts.append(b"%x\r\n%s\r\n" % (len(frame), frame))
+        parts.append(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        return parts
 
 
 async def _generate(
