@@ -253,7 +253,7 @@ def test_a_stream_fed_one_frame_per_read_equals_the_object_path(
 ) -> None:
     """How an engine decoding is read: one frame per read. With reads kept until 700 bytes
     (batches end inside frames) or the default, the record is the object path's, committed by
-    `close` at the latest; a second `close`, or a read after it, changes nothing."""
+    `close` at the latest; a second `close` changes nothing."""
     monkeypatch.setattr(relay, "BATCH_BYTES", batch)
     raw = _stream(60, shift=5)
     plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
