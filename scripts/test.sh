@@ -19,6 +19,11 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium)
 # the scale-out stack test (tests/stack/test_scaleout.py): load balancer and remote-write receiver
 command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || need+=(haproxy)
 command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
+# the stream reader's C code (sidecar/proxy/_cstream.c), built by the install below: a compiler
+# and Python's headers (without them the install falls back to numba; here that would fail)
+command -v gcc >/dev/null 2>&1 || need+=(gcc)
+"${PYTHON:-python3}" -c 'import os, sysconfig; p = sysconfig.get_paths()["include"]
+raise SystemExit(not os.path.exists(os.path.join(p, "Python.h")))' || need+=(python3-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing Debian packages: ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" = "0" ] || SUDO="sudo"
@@ -73,6 +78,8 @@ if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
 fi
 echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
 export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
+# the proxies read streams with the C code: a build that failed is an error, not numba quietly
+export TIMWATCH_NATIVE=1
 
 .venv/bin/ruff check timwatch monitor sidecar dashboards alerts tests benchmarks
 .venv/bin/ruff format --check -q timwatch monitor sidecar dashboards alerts tests benchmarks

@@ -18,9 +18,7 @@ def warm_up(engine: Literal["sglang", "vllm"]) -> None:
     """Compile what `engine`'s proxy runs (and the chunked-body reader both use), then
     `seal_after_warm_up` over every compiled module of the proxies: a scanner one proxy never
     warms must not compile inside its requests either."""
-    reader = dechunk.Dechunker()
-    reader.feed_raw(b"5\r\nhello\r\n3\r\nabc\r\n")  # two chunks: the compiled pass, not
-    reader.feed_raw(b"")  # the one-chunk path (`dechunk._one_chunk`)
+    dechunk.warm_up()
     if engine == "sglang":
         deltascan.warm_up()
     else:

@@ -27,8 +27,9 @@ import numba as nb
 import numpy as np
 
 from timwatch.monitor.core.errors import WireError
+from timwatch.sidecar.proxy.native import cstream
 
-__all__ = ["Dechunker", "DechunkError"]
+__all__ = ["Dechunker", "DechunkError", "warm_up"]
 
 # phases
 _SIZE, _EXT, _SIZE_LF, _DATA, _DATA_CR, _DATA_LF = 0, 1, 2, 3, 4, 5
@@ -173,14 +174,19 @@ class Dechunker:
             if body is not None:  # at a boundary again: the compiled pass's state unchanged
                 return body, len(data)
         state = self._state
-        out = np.empty(len(data), dtype=np.uint8)
-        got = _dechunk(np.frombuffer(data or b"\0", dtype=np.uint8)[: len(data)], out, state)
+        c = cstream()
+        if c is not None:
+            body = c.dechunk(data, state)
+        else:
+            out = np.empty(len(data), dtype=np.uint8)
+            got = _dechunk(np.frombuffer(data or b"\0", dtype=np.uint8)[: len(data)], out, state)
+            body = out[:got].tobytes()
         phase, left, digits, line, safe = state.tolist()
         if phase == _ERROR and data:
             raise DechunkError("bad chunked encoding from upstream")
         self._boundary = phase == _SIZE and left == 0 and digits == 0 and line == 0
         self.done = phase == _DONE
-        return out[:got].tobytes(), safe
+        return body, safe
 
 
 def _one_chunk(data: bytes) -> bytes | None:
@@ -194,3 +200,12 @@ def _one_chunk(data: bytes) -> bytes | None:
     if size == 0 or len(data) != at + size + 2 or not data.endswith(b"\r\n"):
         return None
     return data[at : at + size]
+
+
+def warm_up() -> None:
+    """The compiled pass run once (numba compiles it or loads its cache), the numba twin too
+    where the C code de-chunks."""
+    reader = Dechunker()
+    reader.feed_raw(b"5\r\nhello\r\n3\r\nabc\r\n")  # two chunks: not `_one_chunk`'s path
+    reader.feed_raw(b"")
+    _dechunk(np.frombuffer(b"1\r\nx\r\n", np.uint8), np.empty(6, np.uint8), np.zeros(5, np.int64))

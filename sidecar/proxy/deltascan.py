@@ -32,6 +32,7 @@ import numba as nb
 import numpy as np
 
 from timwatch.sidecar.proxy import numparse
+from timwatch.sidecar.proxy.native import cstream
 from timwatch.sidecar.proxy.numparse import POW5, triples_into
 from timwatch.sidecar.proxy.scan import (
     _P_DATA,
@@ -275,8 +276,21 @@ def scan_deltas(
     """`scan.scan_frames`' answer for the small unfinished one-sample deltas without top-k
     rows that a stream buffer starts with, the log-probs parsed: ``(rows, consumed, ids, logps,
     stopped)``. ``stopped``: a complete frame at ``consumed`` is not such a delta (for
-    `scan.scan_frames` to read from there); ``consumed`` -1: nothing taken from this buffer."""
-    return _scan_deltas(buf, small, _P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX, POW5)
+    `scan.scan_frames` to read from there); ``consumed`` -1: nothing taken from this buffer.
+    Read by the C twin of `_scan_deltas` where it is built (`native.cstream`), else by numba."""
+    c = cstream()
+    if c is None:
+        return _scan_deltas(
+            buf, small, _P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX, POW5
+        )
+    n = buf.shape[0]
+    rows = np.empty((n // 64 + 2, 7), dtype=np.int64)
+    ids = np.empty(n // 10 + 1, dtype=np.int64)
+    vals = np.empty(n // 10 + 1, dtype=np.float64)
+    r, used, count, stopped = c.scan_deltas(buf, small, rows, ids, vals, POW5)
+    if used < 0:
+        return rows[:0], -1, ids[:0], vals[:0], False
+    return rows[:r], used, ids[:count], vals[:count], stopped
 
 
 def warm_up() -> None:
@@ -289,4 +303,6 @@ def warm_up() -> None:
     )
     view = np.frombuffer(frame * 2, dtype=np.uint8)
     scan_deltas(view)
+    # the numba twin too, when the C code reads (TIMWATCH_NATIVE=0 switches to it)
+    _scan_deltas(view, 4096, _P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX, POW5)
     scan_frames(view)

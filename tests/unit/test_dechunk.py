@@ -14,8 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from timwatch.sidecar.proxy import dechunk
+from tests.helpers.readers import stream_reader  # noqa: F401
+from timwatch.sidecar.proxy import dechunk, native
 from timwatch.sidecar.proxy.dechunk import Dechunker, DechunkError
+
+# every test on the C reader and on the numba one
+pytestmark = pytest.mark.usefixtures("stream_reader")
 
 PARTS = [b"data: {}\n\n", b"x" * 300, b"\r\n0\r\n", b"hello" * 40, b"z"]
 
@@ -223,14 +227,25 @@ def test_reads_of_one_chunk_each_are_taken_apart_as_the_compiled_pass_does(
         monkeypatch.setattr(dechunk, "ONE_CHUNK_FAST", False)
         assert fast == _trace(reads), reads
     monkeypatch.setattr(dechunk, "ONE_CHUNK_FAST", True)
-    compiled = dechunk._dechunk
     calls: list[int] = []
+    c = native.cstream()
+    if c is None:
+        compiled = dechunk._dechunk
 
-    def counted(buf: Any, out: Any, state: Any) -> int:
-        calls.append(len(buf))
-        return int(compiled(buf, out, state))
+        def counted(buf: Any, out: Any, state: Any) -> int:
+            calls.append(len(buf))
+            return int(compiled(buf, out, state))
 
-    monkeypatch.setattr(dechunk, "_dechunk", counted)
+        monkeypatch.setattr(dechunk, "_dechunk", counted)
+    else:
+
+        class Counted:
+            @staticmethod
+            def dechunk(data: bytes, state: Any) -> bytes:
+                calls.append(len(data))
+                return bytes(c.dechunk(data, state))
+
+        monkeypatch.setattr(dechunk, "cstream", lambda: Counted)
     _trace(chunks)
     assert calls == [len(b"0\r\n\r\n")]  # only the last chunk took the compiled pass
 

@@ -21,11 +21,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.readers import stream_reader  # noqa: F401
 from timwatch.sidecar.proxy import relay
 from timwatch.sidecar.proxy.answers import Capturer
 from timwatch.sidecar.proxy.deltascan import scan_deltas
 from timwatch.sidecar.proxy.records import HeldRecord
 from timwatch.sidecar.proxy.sglang_wire import SampleState, plan_request
+
+# every test on the C reader and on the numba one
+pytestmark = pytest.mark.usefixtures("stream_reader")
 
 _TEXTS = ["n", " the", "fi", "index", "output_top", 'q"uote', "\n", "é", "x" * 100, "a", "b"]
 _LOGPS = ["-0.001", "-12.5", "0.0", "-0.0", "-1e-05", "-3.0000000000000004", "-7", "-0.5E+1"]

@@ -1,0 +1,32 @@
+"""The stream reader's two implementations, for test modules that must pass on both: the C
+code (`proxy.native`) and the numba code it mirrors. A module that imports `stream_reader` and
+sets ``pytestmark = pytest.mark.usefixtures("stream_reader")`` runs its tests once on each.
+Where the C code was not built (no compiler at install), its half is skipped, except in CI or
+with ``TIMWATCH_NATIVE=1``, where it fails."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from timwatch.sidecar.proxy import native
+
+
+def require_c() -> None:
+    """Skip (fail in CI or with ``TIMWATCH_NATIVE=1``) where the C code was not built."""
+    if not native.built():
+        if os.environ.get("CI") or os.environ.get("TIMWATCH_NATIVE") == "1":
+            pytest.fail("timwatch's C stream reader was not built (pip install -e . compiles it)")
+        pytest.skip("timwatch's C stream reader was not built here (no C compiler at install)")
+
+
+@pytest.fixture(scope="module", params=["c", "numba"])
+def stream_reader(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The implementation this module's tests run on, switched on for the module."""
+    if request.param == "c":
+        require_c()
+    before = native.use_native(request.param == "c")
+    yield request.param
+    native.use_native(before)
