@@ -1,4 +1,4 @@
-"""CPU of the SGLang proxy's compiled scanners, in process, on the stand-in's bytes.
+"""CPU of the SGLang proxy's stream and answer readers, in process, on the stand-in's bytes.
 
 The answer and the incremental stream are `benchmarks/sglang_standin.py`'s (SGLang's compact
 orjson bytes, ``return_logprob``, no top-k). Timed, best of ``--repeat`` calls:
@@ -7,9 +7,14 @@ orjson bytes, ``return_logprob``, no top-k). Timed, best of ``--repeat`` calls:
   id array and a float64 array;
 * ``dechunk``: one incremental stream's chunked body undone, in reads of ``--read`` bytes;
 * ``scan_deltas``: the same stream's de-chunked reads cut into frames and read (the frame begun
-  at the end of one read joined to the next, as `relay.StreamReads` does).
+  at the end of one read joined to the next, as `relay.StreamReads` does);
+* ``capture``: the whole capture of that stream as the raw relay feeds it
+  (`relay.stream_capture`, read by read, then closed: one record).
 
-Numba's version is printed: the scanners' speed depends on it (docs/performance.md).
+The last three run on the C reader (``sidecar/proxy/_cstream.c``) and on the numba code it
+mirrors, interleaved, and the ratio is printed (the C rows need the extension built:
+``pip install -e .`` with a C compiler). Numba's version is printed: the numba rows' speed
+depends on it (docs/performance.md).
 
     python benchmarks/scanner_cost.py [--tokens 4096] [--read 262144] [--repeat 100]
 """
@@ -28,9 +33,13 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import sglang_standin as standin  # noqa: E402
 
+from timwatch.sidecar.proxy import native, relay  # noqa: E402
+from timwatch.sidecar.proxy.answers import Capturer  # noqa: E402
 from timwatch.sidecar.proxy.dechunk import Dechunker  # noqa: E402
 from timwatch.sidecar.proxy.deltascan import scan_deltas, warm_up  # noqa: E402
 from timwatch.sidecar.proxy.numparse import POW5, triples_f64  # noqa: E402
+from timwatch.sidecar.proxy.records import HeldRecord  # noqa: E402
+from timwatch.sidecar.proxy.sglang_wire import plan_request  # noqa: E402
 
 
 def best_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -78,19 +87,52 @@ def main() -> None:
             tail = buf[max(used, 0) :]
         return tokens
 
-    # the last frame (finished) is for the general scan: every other token is read here
-    assert scan() == n - 1, scan()
+    plan = plan_request({"input_ids": [1], "return_logprob": True, "stream": True}, None)
+    assert plan is not None
+
+    def capture() -> None:
+        got: list[HeldRecord] = []
+        counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+        feed = relay.stream_capture(Capturer(got.append, counters, None), plan)
+        for body in bodies:
+            feed(body)
+        feed.close()
+        assert len(got) == 1 and got[0].num_tokens == n, got
+
+    built = native.built()
+    for on in (True, False) if built else (False,):
+        native.use_native(on)
+        # the last frame (finished) is for the general scan: every other token is read here
+        assert scan() == n - 1, scan()
+        assert dechunk() == bodies
+        capture()
     print(
-        f"numba {numba.__version__}; {n}-token answer {len(answer):,} bytes, incremental stream "
-        f"{len(raw):,} bytes in {len(reads)} reads of {args.read:,}"
+        f"numba {numba.__version__}; C reader {'built' if built else 'NOT built: numba only'}; "
+        f"{n}-token answer {len(answer):,} bytes, incremental stream {len(raw):,} bytes in "
+        f"{len(reads)} reads of {args.read:,}"
     )
+    native.use_native(False)
+    one = best_ms(lambda: triples_f64(u8, at, POW5), args.repeat)
+    print(f"{'triples_f64 (one answer)':28} {one:7.3f} ms")
     rows = (
-        ("triples_f64 (one answer)", lambda: triples_f64(u8, at, POW5)),
         ("dechunk (one stream)", dechunk),
         ("scan_deltas (one stream)", scan),
+        ("capture (one stream)", capture),
     )
+    print(f"{'':28} {'C':>10} {'numba':>10} {'C/numba':>8}")
     for name, fn in rows:
-        print(f"{name:26} {best_ms(fn, args.repeat):7.3f} ms")
+        c_ms, nb_ms = [], []
+        for _ in range(3):  # interleaved: the machine's drift hits both alike
+            if built:
+                native.use_native(True)
+                c_ms.append(best_ms(fn, args.repeat))
+            native.use_native(False)
+            nb_ms.append(best_ms(fn, args.repeat))
+        if built:
+            c, b = min(c_ms), min(nb_ms)
+            print(f"{name:28} {c:7.3f} ms {b:7.3f} ms {c / b:8.2f}")
+        else:
+            print(f"{name:28} {'-':>10} {min(nb_ms):7.3f} ms")
 
 
 if __name__ == "__main__":

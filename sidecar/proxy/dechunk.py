@@ -13,10 +13,12 @@ else, or a byte after the message ended, is a framing error (`DechunkError`).
 `Dechunker.feed_raw` also says how many of the raw bytes can go to a client as they are (a
 relay that keeps the framing and lets its own server write the last chunk).
 
-A read that holds exactly one whole data chunk, begun where the last read ended a chunk (an
-engine decoding writes one frame per token, so a proxy that keeps up reads them one by one),
-is taken apart in Python without the compiled pass, whose call and arrays cost more than such
-a frame: the state it leaves is the one the compiled pass leaves.
+The pass is C (`native.cstream`, ``csrc/dechunk.h``) where it was built, else numba. On the
+numba pass, a read that holds exactly one whole data chunk, begun where the last read ended a
+chunk (an engine decoding writes one frame per token, so a proxy that keeps up reads them one
+by one), is taken apart in Python instead, since numba's call and arrays cost more than such a
+frame: the state it leaves is the one the compiled pass leaves. The C pass takes it in about
+half that Python's time (1.2-1.8 against 2.3-2.5 us for a 440-byte frame).
 """
 
 from __future__ import annotations
@@ -169,15 +171,15 @@ class Dechunker:
         to a client as they are, counted from the start of ``data``: everything but the last
         chunk (``0`` size line, trailer, empty line) and a size line that may still be it.
         Negative when such a line began in an earlier read (those bytes are still held)."""
-        if data and self._boundary and ONE_CHUNK_FAST:
-            body = _one_chunk(data)
-            if body is not None:  # at a boundary again: the compiled pass's state unchanged
-                return body, len(data)
         state = self._state
         c = cstream()
-        if c is not None:
+        if c is not None:  # the C pass costs less than `_one_chunk` even on one chunk
             body = c.dechunk(data, state)
         else:
+            if data and self._boundary and ONE_CHUNK_FAST:
+                body = _one_chunk(data)
+                if body is not None:  # at a boundary again: the compiled pass's state unchanged
+                    return body, len(data)
             out = np.empty(len(data), dtype=np.uint8)
             got = _dechunk(np.frombuffer(data or b"\0", dtype=np.uint8)[: len(data)], out, state)
             body = out[:got].tobytes()

@@ -28,6 +28,8 @@ up. It never guesses: a declined read costs one more pass, never a wrong row.
 
 from __future__ import annotations
 
+import threading
+
 import numba as nb
 import numpy as np
 
@@ -283,14 +285,30 @@ def scan_deltas(
         return _scan_deltas(
             buf, small, _P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX, POW5
         )
-    n = buf.shape[0]
-    rows = np.empty((n // 64 + 2, 7), dtype=np.int64)
-    ids = np.empty(n // 10 + 1, dtype=np.int64)
-    vals = np.empty(n // 10 + 1, dtype=np.float64)
+    rows, ids, vals = _scratch(buf.shape[0])
     r, used, count, stopped = c.scan_deltas(buf, small, rows, ids, vals, POW5)
     if used < 0:
-        return rows[:0], -1, ids[:0], vals[:0], False
-    return rows[:r], used, ids[:count], vals[:count], stopped
+        return rows[:0].copy(), -1, ids[:0].copy(), vals[:0].copy(), False
+    return rows[:r].copy(), used, ids[:count].copy(), vals[:count].copy(), stopped
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's arrays for the C scan of ``n`` bytes: room for the most rows and triples
+    ``n`` bytes can hold, kept between reads (fresh ones each read cost more than the scan:
+    glibc hands blocks this size back to the kernel, and each new one faults its pages in)."""
+    kept = getattr(_SCRATCH, "arrays", None)
+    if kept is None or kept[1].shape[0] < n // 10 + 1:
+        m = max(n, 1 << 18)
+        kept = (
+            np.empty((m // 64 + 2, 7), dtype=np.int64),
+            np.empty(m // 10 + 1, dtype=np.int64),
+            np.empty(m // 10 + 1, dtype=np.float64),
+        )
+        _SCRATCH.arrays = kept
+    return kept
 
 
 def warm_up() -> None:
