@@ -27,7 +27,9 @@ The load generator is plain asyncio + httptools: N keep-alive connections, each 
 next request as soon as its answer has been read in full.
 
 ``--no-stream-capture`` relays streams without reading them (the proxy's stream capture
-replaced by a sink that drops what it is fed): the relay's own cost per stream.
+replaced by a sink that drops what it is fed): the relay's own cost per stream. The proxy reads
+streams with its C reader where that was built; ``TIMWATCH_NATIVE=0`` in the environment runs
+it on the numba code instead (the header line says which).
 
     python benchmarks/proxy_throughput.py [--seconds 5] [--quick] [--client logprobs|plain]
 """
@@ -50,6 +52,15 @@ import httpx
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _reader() -> str:
+    """Which stream reader the proxy (started with this environment) runs."""
+    from timwatch.sidecar.proxy import native
+
+    if os.environ.get("TIMWATCH_NATIVE") == "0":
+        return "numba (TIMWATCH_NATIVE=0)"
+    return "C" if native.built() else "numba (the C reader is not built)"
 
 
 def _port() -> int:
@@ -275,7 +286,8 @@ def main() -> None:
         print(
             f"load average at the start: {os.getloadavg()[0]:.1f}; "
             f"client: {args.client}; proxy topk: {args.topk or 'off'}; {args.seconds:.0f} s "
-            "per cell; engine + load generator on core 0, proxy on core 1"
+            "per cell; engine + load generator on core 0, proxy on core 1; stream reader: "
+            + _reader()
             + (
                 "; --no-stream-capture: streams relayed, not read ('captured' counts the "
                 "tokens they relayed)"
