@@ -5,7 +5,9 @@ orjson bytes, ``return_logprob``, no top-k). Timed, best of ``--repeat`` calls:
 
 * ``triples_f64``: the ``[[logprob,id,null],...]`` list of one non-streamed answer read into an
   id array and a float64 array;
-* ``dechunk``: one incremental stream's chunked body undone, in reads of ``--read`` bytes;
+* ``dechunk``: one incremental stream's chunked body undone, in reads of ``--read`` bytes, and
+  its first frames read one chunk per read (what a proxy keeping up with an engine reads; on
+  numba such a read is taken apart in Python, `dechunk._one_chunk`);
 * ``scan_deltas``: the same stream's de-chunked reads cut into frames and read (the frame begun
   at the end of one read joined to the next, as `relay.StreamReads` does);
 * ``capture``: the whole capture of that stream as the raw relay feeds it
@@ -113,13 +115,26 @@ def main() -> None:
     )
     native.use_native(False)
     one = best_ms(lambda: triples_f64(u8, at, POW5), args.repeat)
-    print(f"{'triples_f64 (one answer)':28} {one:7.3f} ms")
+    print(f"{'triples_f64 (one answer)':30} {one:7.3f} ms")
+    one_chunk_reads, at = [], 0
+    while len(one_chunk_reads) < 200:  # the stream's first chunks, each read alone
+        size_end = raw.index(b"\r\n", at)
+        end = size_end + 2 + int(raw[at:size_end], 16) + 2
+        one_chunk_reads.append(raw[at:end])
+        at = end
+
+    def one_frame() -> None:
+        d = Dechunker()
+        for read in one_chunk_reads:
+            d.feed_raw(read)
+
     rows = (
+        (f"dechunk ({len(one_chunk_reads)} one-frame reads)", one_frame),
         ("dechunk (one stream)", dechunk),
         ("scan_deltas (one stream)", scan),
         ("capture (one stream)", capture),
     )
-    print(f"{'':28} {'C':>10} {'numba':>10} {'C/numba':>8}")
+    print(f"{'':30} {'C':>10} {'numba':>10} {'C/numba':>8}")
     for name, fn in rows:
         c_ms, nb_ms = [], []
         for _ in range(3):  # interleaved: the machine's drift hits both alike
@@ -130,9 +145,9 @@ def main() -> None:
             nb_ms.append(best_ms(fn, args.repeat))
         if built:
             c, b = min(c_ms), min(nb_ms)
-            print(f"{name:28} {c:7.3f} ms {b:7.3f} ms {c / b:8.2f}")
+            print(f"{name:30} {c:7.3f} ms {b:7.3f} ms {c / b:8.2f}")
         else:
-            print(f"{name:28} {'-':>10} {min(nb_ms):7.3f} ms")
+            print(f"{name:30} {'-':>10} {min(nb_ms):7.3f} ms")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ The pass is C (`native.cstream`, ``csrc/dechunk.h``) where it was built, else nu
 numba pass, a read that holds exactly one whole data chunk, begun where the last read ended a
 chunk (an engine decoding writes one frame per token, so a proxy that keeps up reads them one
 by one), is taken apart in Python instead, since numba's call and arrays cost more than such a
-frame: the state it leaves is the one the compiled pass leaves. The C pass takes it in about
-half that Python's time (1.2-1.8 against 2.3-2.5 us for a 440-byte frame).
+frame: the state it leaves is the one the compiled pass leaves. The C pass takes such a read
+in less time than that Python (`benchmarks/scanner_cost.py`, "one-frame reads").
 """
 
 from __future__ import annotations

@@ -297,8 +297,9 @@ _SCRATCH = threading.local()
 
 def _scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This thread's arrays for the C scan of ``n`` bytes: room for the most rows and triples
-    ``n`` bytes can hold, kept between reads (fresh ones each read cost more than the scan:
-    glibc hands blocks this size back to the kernel, and each new one faults its pages in)."""
+    ``n`` bytes can hold, kept between reads (a profile of the proxy allocating them per read
+    put a tenth of its samples there, malloc growing and trimming the heap); what a scan
+    returns is copied out of them."""
     kept = getattr(_SCRATCH, "arrays", None)
     if kept is None or kept[1].shape[0] < n // 10 + 1:
         m = max(n, 1 << 18)

@@ -21,7 +21,7 @@ try:
 except ImportError:  # built without a compiler: the numba twins
     _built = None
 
-_required = os.environ.get("TIMWATCH_NATIVE", "") == "1"
+_REQUIRED = os.environ.get("TIMWATCH_NATIVE", "") == "1"
 _use: ModuleType | None = None if os.environ.get("TIMWATCH_NATIVE", "") == "0" else _built
 
 
@@ -32,16 +32,15 @@ def built() -> bool:
 
 def cstream() -> ModuleType | None:
     """The C module when it is built and switched on, else None (the numba twins run)."""
-    if _use is None and _required:
-        raise RuntimeError("TIMWATCH_NATIVE=1, but timwatch's C stream reader is not in use")
+    if _REQUIRED and _built is None:
+        raise RuntimeError("TIMWATCH_NATIVE=1, but timwatch's C stream reader was not built")
     return _use
 
 
 def use_native(on: bool) -> bool:
     """Switch the C code on (when built) or off in this process (tests, A/B measurements);
     returns whether it was on before."""
-    global _use, _required
+    global _use
     before = _use is not None
     _use = _built if on else None
-    _required = _required and on
     return before
