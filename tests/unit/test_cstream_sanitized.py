@@ -1,0 +1,109 @@
+"""The C stream reader built again with AddressSanitizer and UndefinedBehaviorSanitizer (both
+fatal), in a subprocess fed random bytes and mutated streams: a read or write outside its
+buffers, or undefined behaviour, fails the test; each answer is also compared with the numba
+code's. The bytes it reads come from an engine over the network, so this is the build that
+would show a missed bound, not just a wrong answer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_FUZZ = textwrap.dedent(
+    """
+    import importlib.util, random, sys
+    import timwatch.sidecar.proxy as package
+    spec = importlib.util.spec_from_file_location("timwatch.sidecar.proxy._cstream", sys.argv[1])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules[spec.name] = mod
+    package._cstream = mod
+    from timwatch.sidecar.proxy import native
+    assert native.cstream() is mod
+    from tests.unit.test_cstream import _c_dechunk, _c_scan, _numba_dechunk, _numba_scan
+    from tests.unit.test_deltascan import _frame, _stream
+
+    rng = random.Random(int(sys.argv[2]))
+    alphabet = b'\\n"{}[],:0123456789.-eEnfio_tdarsl \\r'
+    base = _stream(40)
+    for _ in range(int(sys.argv[3])):
+        kind = rng.random()
+        if kind < 0.2:
+            buf = bytes(rng.choice(alphabet) for _ in range(rng.randrange(600)))
+        elif kind < 0.45:  # whole unfinished deltas: read to the buffer's last byte
+            m = rng.randrange(1, 12)
+            text = "a" * rng.randrange(64)
+            buf = b"".join(_frame(i, m + 1, text, "-0.5", i) for i in range(1, m + 1))
+        else:
+            b = bytearray(base[rng.randrange(len(base)) :][: rng.randrange(1, len(base))])
+            for _ in range(rng.randrange(8)):
+                if b:
+                    b[rng.randrange(len(b))] = rng.choice(alphabet)
+            buf = bytes(b)
+        small = rng.choice([4096, 300, 64, 8])
+        assert _c_scan(buf, small) == _numba_scan(buf, small), (buf, small)
+        cut = rng.randrange(len(buf) + 1)
+        reads = [buf[:cut], buf[cut:]]
+        assert _c_dechunk(reads) == _numba_dechunk(reads), reads
+    print("clean", sys.argv[3])
+    """
+)
+
+
+def _runtime(gcc: str, name: str) -> str:
+    path = subprocess.run([gcc, f"-print-file-name={name}"], capture_output=True, text=True)
+    return path.stdout.strip()
+
+
+def test_the_c_reader_reads_hostile_bytes_inside_its_buffers(tmp_path: Path) -> None:
+    gcc = shutil.which("gcc")
+    asan = _runtime(gcc, "libasan.so") if gcc else ""
+    if not gcc or not os.path.isabs(asan):
+        if os.environ.get("CI") or os.environ.get("TIMWATCH_NATIVE") == "1":
+            pytest.fail("gcc with AddressSanitizer is needed for the sanitized C reader")
+        pytest.skip("no gcc with AddressSanitizer here")
+    built = tmp_path / f"_cstream{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(
+        [
+            gcc,
+            "-O1",
+            "-g",
+            "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer",
+            "-shared",
+            "-fPIC",
+            "-Wno-psabi",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(ROOT / "sidecar/proxy/_cstream.c"),
+            "-o",
+            str(built),
+        ],
+        check=True,
+    )
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = f"{asan}:{_runtime(gcc, 'libubsan.so')}"
+    env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=1"
+    env["PYTHONMALLOC"] = "malloc"  # every object in malloc, where ASan puts its red zones
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("TIMWATCH_NATIVE", None)
+    run = subprocess.run(
+        [sys.executable, "-c", _FUZZ, str(built), "11", "3000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip().endswith("clean 3000"), run.stdout
+    assert "runtime error" not in run.stderr and "AddressSanitizer" not in run.stderr
