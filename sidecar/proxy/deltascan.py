@@ -49,7 +49,7 @@ from timwatch.sidecar.proxy.scan import (
     scan_frames,
 )
 
-__all__ = ["scan_deltas", "warm_up"]
+__all__ = ["scan_deltas", "scan_deltas_numba", "warm_up"]
 
 _LO = np.uint64(0x0101010101010101)
 _HI = np.uint64(0x8080808080808080)
@@ -282,14 +282,19 @@ def scan_deltas(
     Read by the C twin of `_scan_deltas` where it is built (`native.cstream`), else by numba."""
     c = cstream()
     if c is None:
-        return _scan_deltas(
-            buf, small, _P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX, POW5
-        )
+        return scan_deltas_numba(buf, small)
     rows, ids, vals = _scratch(buf.shape[0])
     r, used, count, stopped = c.scan_deltas(buf, small, rows, ids, vals, POW5)
     if used < 0:
         return rows[:0].copy(), -1, ids[:0].copy(), vals[:0].copy(), False
     return rows[:r].copy(), used, ids[:count].copy(), vals[:count].copy(), stopped
+
+
+def scan_deltas_numba(
+    buf: np.ndarray, small: int = 4096
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, bool]:
+    """`scan_deltas` on the numba code, whether or not the C code is built."""
+    return _scan_deltas(buf, small, _P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX, POW5)
 
 
 _SCRATCH = threading.local()
@@ -323,5 +328,5 @@ def warm_up() -> None:
     view = np.frombuffer(frame * 2, dtype=np.uint8)
     scan_deltas(view)
     # the numba twin too, when the C code reads (TIMWATCH_NATIVE=0 switches to it)
-    _scan_deltas(view, 4096, _P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX, POW5)
+    scan_deltas_numba(view)
     scan_frames(view)

@@ -17,7 +17,6 @@ from tests.helpers.readers import require_c
 from tests.unit.test_deltascan import _LOGPS, _TEXTS, _frame
 from timwatch.sidecar.proxy import dechunk, deltascan
 from timwatch.sidecar.proxy.numparse import POW5
-from timwatch.sidecar.proxy.scan import _P_DATA, _P_FINISH, _P_INDEX, _P_LIST, _P_TOP, _P_TOTAL
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,13 +31,12 @@ def _c() -> Any:
 
 
 def _numba_scan(buf: bytes, small: int) -> tuple[Any, ...]:
-    view = np.frombuffer(buf, np.uint8)
-    keys = (_P_DATA, _P_FINISH, _P_LIST, _P_TOTAL, _P_TOP, _P_INDEX)
-    rows, used, ids, vals, stopped = deltascan._scan_deltas(view, small, *keys, POW5)
-    return _plain(rows, used, ids, vals, stopped)
+    return _plain(*deltascan.scan_deltas_numba(np.frombuffer(buf, np.uint8), small))
 
 
 def _c_scan(buf: bytes, small: int) -> tuple[Any, ...]:
+    """The C scan on arrays of exactly the size it may fill (not `deltascan`'s kept scratch
+    arrays), so the sanitized build sees their bounds too."""
     n = len(buf)
     rows = np.empty((n // 64 + 2, 7), np.int64)
     ids, vals = np.empty(n // 10 + 1, np.int64), np.empty(n // 10 + 1, np.float64)
