@@ -162,11 +162,11 @@ class Dechunker:
         self._boundary = True  # the next byte starts a chunk-size line
         self.done = False  # the last chunk and the trailer's empty line have arrived
 
-    def feed(self, data: bytes) -> bytes:
+    def feed(self, data: bytes | memoryview) -> bytes:
         """The body bytes ``data`` carries; raises `DechunkError` on broken framing."""
         return self.feed_raw(data)[0]
 
-    def feed_raw(self, data: bytes) -> tuple[bytes, int]:
+    def feed_raw(self, data: bytes | memoryview) -> tuple[bytes, int]:
         """The body bytes ``data`` carries, and how far the bytes fed so far may be relayed
         to a client as they are, counted from the start of ``data``: everything but the last
         chunk (``0`` size line, trailer, empty line) and a size line that may still be it.
@@ -176,6 +176,8 @@ class Dechunker:
         if c is not None:  # the C pass costs less than `_one_chunk` even on one chunk
             body = c.dechunk(data, state)
         else:
+            if isinstance(data, memoryview):
+                data = data.tobytes()
             if data and self._boundary and ONE_CHUNK_FAST:
                 body = _one_chunk(data)
                 if body is not None:  # at a boundary again: the compiled pass's state unchanged

@@ -63,12 +63,9 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         resp = self.resp
         if resp is not None and resp._dechunker is not None:
-            if resp._sink is not None:
-                resp._push(data)
-                return
-            resp._raw.append(data)  # a chunked body: de-chunked by the reader, per turn
-            resp._received(len(data))
+            self._chunked_read(resp, data)
             return
+        body: bytes | memoryview = data
         if not self._in_body:
             # the head goes to httptools alone, so a chunked body can be taken raw after it
             head = self._head + data if self._head else data
@@ -81,16 +78,24 @@ class _Conn(asyncio.Protocol):
             self._head, self._in_body = b"", True
             if not self._feed(head[: end + 4]):
                 return
-            data = head[end + 4 :]
-            if not data:
+            body = memoryview(head)[end + 4 :]  # a slice would copy the first read's body
+            if not body:
                 return
             if resp is not None and resp._dechunker is not None:
-                self.data_received(data)
+                self._chunked_read(resp, body)
                 return
-        if self._feed(data) and resp is not None and resp._chunks:
-            resp._received(len(data))  # once per read, however many body chunks it held
+        if self._feed(body) and resp is not None and resp._chunks:
+            resp._received(len(body))  # once per read, however many body chunks it held
 
-    def _feed(self, data: bytes) -> bool:
+    @staticmethod
+    def _chunked_read(resp: UpstreamResponse, data: bytes | memoryview) -> None:
+        if resp._sink is not None:
+            resp._push(data)
+            return
+        resp._raw.append(data)  # a chunked body: de-chunked by the reader, per turn
+        resp._received(len(data))
+
+    def _feed(self, data: bytes | memoryview) -> bool:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:

@@ -50,7 +50,7 @@ class UpstreamResponse:
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._owner, self._conn, self._timeout = owner, conn, timeout_s
         self._chunks: collections.deque[bytes] = collections.deque()
-        self._raw: list[bytes] = []  # reads of a chunked body, not yet de-chunked
+        self._raw: list[bytes | memoryview] = []  # reads of a chunked body, not yet de-chunked
         self._dechunker: Dechunker | None = None
         self._sink: Callable[[list[bytes | memoryview], bytes], None] | None = None
         self._sink_error: Exception | None = None
@@ -159,7 +159,7 @@ class UpstreamResponse:
         if self._raw:  # what arrived before the relay began
             self._push(None)
 
-    def _push(self, data: bytes | None) -> None:
+    def _push(self, data: bytes | memoryview | None) -> None:
         """One read (None: the reads kept so far, joined) de-chunked and given to the sink."""
         sink = self._sink
         assert sink is not None
@@ -175,7 +175,7 @@ class UpstreamResponse:
         else:
             pieces = [held] if held else []
             pieces.append(data if safe == len(data) else memoryview(data)[:safe])
-            self._held = data[safe:] if safe < len(data) else b""
+            self._held = bytes(data[safe:]) if safe < len(data) else b""
         try:
             sink(pieces, body)
         except Exception as exc:  # the relay's own failure: `pushed` raises it
@@ -226,7 +226,9 @@ class UpstreamResponse:
             self._conn.transport.pause_reading()
             self._paused = True
 
-    def _dechunked(self, data: bytes | None = None, raw: bool = False) -> tuple[bytes, bytes, int]:
+    def _dechunked(
+        self, data: bytes | memoryview | None = None, raw: bool = False
+    ) -> tuple[bytes | memoryview, bytes, int]:
         dechunker = self._dechunker
         assert dechunker is not None
         if data is None:

@@ -195,6 +195,20 @@ def _trace(reads: list[bytes]) -> list[tuple[bytes, int, bool] | str]:
     return out
 
 
+def test_reads_given_as_views_read_as_the_same_bytes() -> None:
+    """The upstream connection hands on the body after a response head as a view of the read
+    it came in (not a copy): views, offset into a larger buffer, de-chunk and release exactly
+    as the same bytes do."""
+    wire = _wire(PARTS, b"%x;e=1", b"x-trailer: 1\r\n")
+    framed = b"HTTP/1.1 200 OK\r\n\r\n" + wire
+    at = framed.index(wire)
+    for cut in range(len(wire) + 1):
+        views = [memoryview(framed)[at : at + cut], memoryview(framed)[at + cut :]]
+        assert _trace(views) == _trace([wire[:cut], wire[cut:]]), cut
+    broken = b"x\r\nabc\r\n"
+    assert _trace([memoryview(b"?" + broken)[1:]]) == _trace([broken]) == ["error"]
+
+
 def test_reads_of_one_chunk_each_are_taken_apart_as_the_compiled_pass_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
