@@ -12,11 +12,12 @@ if TYPE_CHECKING:
     from timwatch.sidecar.proxy.capture import CaptureStore
     from timwatch.sidecar.proxy.join import JoinedSample, Joiner, parse_report
     from timwatch.sidecar.proxy.records import RolloutRecord
-    from timwatch.sidecar.tap.shipper import Tap, TapStats
+    from timwatch.sidecar.tap.shipper import Tap
+    from timwatch.sidecar.tap.stats import TapStats
 
 _EXPORTS = {
     "Tap": "timwatch.sidecar.tap.shipper",
-    "TapStats": "timwatch.sidecar.tap.shipper",
+    "TapStats": "timwatch.sidecar.tap.stats",
     "CaptureStore": "timwatch.sidecar.proxy.capture",
     "Joiner": "timwatch.sidecar.proxy.join",
     "JoinedSample": "timwatch.sidecar.proxy.join",

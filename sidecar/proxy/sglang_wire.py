@@ -31,10 +31,11 @@ Facts this module relies on:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from timwatch.monitor.core.errors import WireError
 from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds, weight_spans
@@ -60,8 +61,7 @@ _LOGPROB_PREFIXES = (
     "input_token_ids_logprobs",
     "output_token_ids_logprobs",
 )
-_TOP_PREFIXES = ("input_top_logprobs", "output_top_logprobs")
-_TOP_NESTED = ("input_top_logprobs", "output_top_logprobs")
+_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
 _FLAT_FLAGS = (
     "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs",
@@ -69,24 +69,14 @@ _FLAT_FLAGS = (
 )
 
 
-try:  # SGLang itself answers through orjson; using it keeps restored answers byte-identical.
-    import orjson
+def dumps(obj: Any) -> bytes:
+    """Compact JSON exactly as SGLang writes it (orjson: no spaces, UTF-8, key order kept), so
+    restored answers are byte-identical."""
+    return orjson.dumps(obj)
 
-    def dumps(obj: Any) -> bytes:
-        """Compact JSON exactly as SGLang's orjson writes it."""
-        return orjson.dumps(obj)
 
-    def loads(data: bytes | str) -> Any:
-        return orjson.loads(data)
-
-except ImportError:  # pragma: no cover - same keys and values, float spelling may differ
-
-    def dumps(obj: Any) -> bytes:
-        """Compact JSON as SGLang's orjson writes it (no spaces, UTF-8, key order kept)."""
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-    def loads(data: bytes | str) -> Any:
-        return json.loads(data)
+def loads(data: bytes | str) -> Any:
+    return orjson.loads(data)
 
 
 def _per_item(value: Any, i: int) -> Any:
@@ -133,10 +123,10 @@ class RequestPlan:
             return
         k0 = self.want_topk[item]
         if k0 <= 0:
-            for key in [k for k in meta if k.startswith(_TOP_PREFIXES)]:
+            for key in [k for k in meta if k.startswith(_TOP_KEYS)]:
                 del meta[key]
             return
-        for key in _TOP_NESTED:
+        for key in _TOP_KEYS:
             rows = meta.get(key)
             if isinstance(rows, list):
                 meta[key] = [row[:k0] if isinstance(row, list) else row for row in rows]

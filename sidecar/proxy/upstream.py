@@ -63,7 +63,7 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         resp = self.resp
         if resp is not None and resp._dechunker is not None:
-            self._chunked_read(resp, data)
+            resp._chunked_read(data)
             return
         body: bytes | memoryview = data
         if not self._in_body:
@@ -82,18 +82,10 @@ class _Conn(asyncio.Protocol):
             if not body:
                 return
             if resp is not None and resp._dechunker is not None:
-                self._chunked_read(resp, body)
+                resp._chunked_read(body)
                 return
         if self._feed(body) and resp is not None and resp._chunks:
             resp._received(len(body))  # once per read, however many body chunks it held
-
-    @staticmethod
-    def _chunked_read(resp: UpstreamResponse, data: bytes | memoryview) -> None:
-        if resp._sink is not None:
-            resp._push(data)
-            return
-        resp._raw.append(data)  # a chunked body: de-chunked by the reader, per turn
-        resp._received(len(data))
 
     def _feed(self, data: bytes | memoryview) -> bool:
         try:

@@ -92,6 +92,15 @@ class UpstreamResponse:
             self.pause_reading()
         self._wake()
 
+    def _chunked_read(self, data: bytes | memoryview) -> None:
+        """One read of a chunked body, framing included: given to the `push_to` sink at once,
+        or kept for the reader (`chunks`) to de-chunk in its turn."""
+        if self._sink is not None:
+            self._push(data)
+            return
+        self._raw.append(data)
+        self._received(len(data))
+
     def _complete(self, keep_alive: bool) -> None:
         self._done, self._keep_alive = True, keep_alive
         self._wake()

@@ -25,7 +25,6 @@ import random
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from timwatch.monitor.core.batch import Batch, BatchError
@@ -33,9 +32,10 @@ from timwatch.sidecar.tap.pool import BufferPool
 from timwatch.sidecar.tap.poster import Poster, post_finish
 from timwatch.sidecar.tap.queue import DropLog, DropQueue, Item
 from timwatch.sidecar.tap.snapshot import detect_rank, nbytes_of, snapshot, snapshot_bytes, to_numpy
+from timwatch.sidecar.tap.stats import TapStats
 from timwatch.sidecar.tap.wire import Body, batch_id_for, encode
 
-__all__ = ["DROPPED_HEADER", "Tap", "TapStats"]
+__all__ = ["DROPPED_HEADER", "Tap"]
 
 log = logging.getLogger("timwatch.tap")
 
@@ -44,25 +44,6 @@ SAFETENSORS = "application/x-safetensors"
 DROPPED_HEADER = "Timwatch-Tap-Dropped"
 _HEADER_MAX = 2**31
 _FINISH_TIMEOUT_S = 5.0
-
-
-@dataclass
-class TapStats:
-    """Counters of one tap; `Tap.stats()` returns them as a dict with the queue's state."""
-
-    reported: int = 0  # report() calls that enqueued a batch
-    sent: int = 0  # batches the monitor accepted (2xx)
-    dropped: int = 0  # batches dropped from the queue (oldest first) or too large to queue
-    oversized: int = 0  # of `dropped`: single batches larger than max_queue_bytes
-    refused: int = 0  # 4xx answers (never retried)
-    invalid: int = 0  # failed local validation, never sent
-    failed: int = 0  # gave up after max_retries (or at close)
-    retries: int = 0  # retried attempts
-    errors: int = 0  # exceptions swallowed inside report()
-    unreported_drops: int = 0  # dropped + failed not yet counted by the monitor (the header)
-    finished: bool | None = None  # the finish POST of close(): None = not sent
-    last_error: str | None = None
-    refused_statuses: dict[int, int] = field(default_factory=dict)
 
 
 class Tap:
