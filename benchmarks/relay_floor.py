@@ -120,17 +120,11 @@ def measure(mode: str, data: bytes, n: int) -> float:
 
 
 def _answers(tokens: int) -> dict[str, bytes]:
-    shape = (True, 0, False)
-    prompt = standin.orjson.dumps(list(range(16)))
-    answers = standin.Answers()
-    rid = b"%032x" % 1
-    pieces = answers.pieces(tokens, True, 0)
-    plain = standin._answer(pieces, tokens, 0, tokens, shape, rid, True, prompt)
-    out = {"plain": plain}
-    for name, incremental in (("incremental", True), ("cumulative", False)):
-        segments = standin.Streams(answers, incremental).segments(tokens, shape, prompt)
-        out[name] = rid.join(segments)
-    return out
+    return {
+        "plain": standin.answer_bytes(tokens),
+        "incremental": standin.stream_bytes(tokens, incremental=True),
+        "cumulative": standin.stream_bytes(tokens, incremental=False),
+    }
 
 
 def main() -> None:

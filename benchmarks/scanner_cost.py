@@ -60,11 +60,9 @@ def main() -> None:
     ap.add_argument("--read", type=int, default=262144, help="bytes per network read")
     ap.add_argument("--repeat", type=int, default=100)
     args = ap.parse_args()
-    n, shape = args.tokens, (True, 0, False)
-    answers = standin.Answers()
-    answer = standin._answer(answers.pieces(n, True, 0), n, 0, n, shape, b"%032x" % 1, True, b"[1]")
-    raw = b"%032x" % 2
-    raw = raw.join(standin.Streams(answers, incremental=True).segments(n, shape, b"[1]"))
+    n = args.tokens
+    answer = standin.answer_bytes(n)
+    raw = standin.stream_bytes(n, incremental=True)
     reads = [raw[i : i + args.read] for i in range(0, len(raw), args.read)]
     warm_up()
 

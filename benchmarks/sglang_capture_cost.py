@@ -35,9 +35,8 @@ def main() -> None:
     ap.add_argument("--number", type=int, default=300)
     args = ap.parse_args()
     n = args.tokens
-    pieces = standin.Answers().pieces(n, True, 0)
     rid = b"%032x" % 1
-    answer = standin._answer(pieces, n, 0, n, (True, 0, False), rid, True, b"[1]")
+    answer = standin.answer_bytes(n, answer_id=1)
     request = {"input_ids": list(range(16)), "sampling_params": {"max_new_tokens": n}}
     logprobs = plan_request(dict(request, return_logprob=True), None)
     plain = plan_request(request, None)

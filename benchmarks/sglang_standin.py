@@ -164,6 +164,20 @@ class Streams:
         return parts
 
 
+def answer_bytes(n: int, answer_id: int = 1) -> bytes:
+    """The body of a non-streamed ``n``-token answer (``return_logprob``, no top-k), as a request
+    for it is answered: for benchmarks that read or move the bytes without a server."""
+    pieces = Answers().pieces(n, True, 0)
+    return _answer(pieces, n, 0, n, (True, 0, False), b"%032x" % answer_id, True, b"[1]")
+
+
+def stream_bytes(n: int, incremental: bool, answer_id: int = 2) -> bytes:
+    """The whole chunked body of the same answer streamed (cumulative or incremental frames,
+    ``[DONE]`` and the last chunk included), as the stand-in writes it."""
+    segments = Streams(Answers(), incremental).segments(n, (True, 0, False), b"[1]")
+    return (b"%032x" % answer_id).join(segments)
+
+
 async def _generate(
     body: dict[str, Any],
     writer: asyncio.StreamWriter,
