@@ -1,4 +1,4 @@
-"""The one compiled part of timwatch: the stream reader's C code (sidecar/proxy/_cstream.c).
+"""The one compiled part of timwatch: the stream reader's C code (sidecar/proxy/native/_cstream.c).
 
 Optional: without a C compiler or Python's headers the install still succeeds and the proxies
 run the numba code it mirrors (timwatch/sidecar/proxy/native.py). Everything else about the
@@ -10,10 +10,10 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "timwatch.sidecar.proxy._cstream",
-            sources=["sidecar/proxy/_cstream.c"],
+            "timwatch.sidecar.proxy.native._cstream",
+            sources=["sidecar/proxy/native/_cstream.c"],
             depends=[
-                f"sidecar/proxy/csrc/{h}.h" for h in ("common", "dechunk", "deltas", "numbers")
+                f"sidecar/proxy/native/csrc/{h}.h" for h in ("common", "dechunk", "deltas", "numbers")
             ],
             extra_compile_args=["-O3", "-Wno-psabi"],
             optional=True,

@@ -116,7 +116,7 @@ class _Resp:
 # drops what it is fed; what relaying a stream costs without reading it (plain answers are
 # still captured).
 _NO_STREAM_CAPTURE = """
-import timwatch.sidecar.proxy.sglang as s
+import timwatch.sidecar.proxy.sglang.app as s
 class Off:
     def __call__(self, body): pass
     def close(self): pass

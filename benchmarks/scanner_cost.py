@@ -13,7 +13,7 @@ orjson bytes, ``return_logprob``, no top-k). Timed, best of ``--repeat`` calls:
 * ``capture``: the whole capture of that stream as the raw relay feeds it
   (`relay.stream_capture`, read by read, then closed: one record).
 
-The last three run on the C reader (``sidecar/proxy/_cstream.c``) and on the numba code it
+The last three run on the C reader (``sidecar/proxy/native/_cstream.c``) and on the numba code it
 mirrors, interleaved, and the ratio is printed (the C rows need the extension built:
 ``pip install -e .`` with a C compiler). Numba's version is printed: the numba rows' speed
 depends on it (docs/performance.md).
@@ -35,13 +35,14 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import sglang_standin as standin  # noqa: E402
 
-from timwatch.sidecar.proxy import native, relay  # noqa: E402
-from timwatch.sidecar.proxy.answers import Capturer  # noqa: E402
-from timwatch.sidecar.proxy.dechunk import Dechunker  # noqa: E402
-from timwatch.sidecar.proxy.deltascan import scan_deltas, warm_up  # noqa: E402
-from timwatch.sidecar.proxy.numparse import POW5, triples_f64  # noqa: E402
+from timwatch.sidecar.proxy import native  # noqa: E402
+from timwatch.sidecar.proxy.http.dechunk import Dechunker  # noqa: E402
+from timwatch.sidecar.proxy.jsonbytes.numbers import POW5, triples_f64  # noqa: E402
 from timwatch.sidecar.proxy.records import HeldRecord  # noqa: E402
-from timwatch.sidecar.proxy.sglang_wire import plan_request  # noqa: E402
+from timwatch.sidecar.proxy.sglang import stream as relay  # noqa: E402
+from timwatch.sidecar.proxy.sglang.answers import Capturer  # noqa: E402
+from timwatch.sidecar.proxy.sglang.deltascan import scan_deltas, warm_up  # noqa: E402
+from timwatch.sidecar.proxy.sglang.wire import plan_request  # noqa: E402
 
 
 def best_ms(fn: Callable[[], object], repeat: int) -> float:

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sglang_standin as standin  # noqa: E402
 
-from timwatch.sidecar.proxy.answers import Capturer, answer_parts  # noqa: E402
 from timwatch.sidecar.proxy.capture import CaptureStore  # noqa: E402
-from timwatch.sidecar.proxy.fastwire import restore  # noqa: E402
-from timwatch.sidecar.proxy.sglang_wire import plan_request  # noqa: E402
+from timwatch.sidecar.proxy.sglang.answers import Capturer, answer_parts  # noqa: E402
+from timwatch.sidecar.proxy.sglang.fastwire import restore  # noqa: E402
+from timwatch.sidecar.proxy.sglang.wire import plan_request  # noqa: E402
 
 
 def main() -> None:

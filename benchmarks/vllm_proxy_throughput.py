@@ -61,8 +61,8 @@ def profile(tokens: int, rounds: int = 200) -> None:
     import vllm_standin as standin
 
     from timwatch.sidecar.proxy.capture import CaptureStore
-    from timwatch.sidecar.proxy.vllm_capture import VllmCapturer, answer_parts
-    from timwatch.sidecar.proxy.vllm_edit import plan_request
+    from timwatch.sidecar.proxy.vllm.capture import VllmCapturer, answer_parts
+    from timwatch.sidecar.proxy.vllm.edit import plan_request
 
     store = CaptureStore(ttl_s=5.0)
     counters = dict.fromkeys(

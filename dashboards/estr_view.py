@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dashboard_b
 
-from timwatch.dashboards.common import (
+from .common import (
     IdAllocator,
     base_dashboard,
     heatmap_panel,
@@ -18,7 +18,7 @@ from timwatch.dashboards.common import (
     ratio_of_rates,
     timeseries,
 )
-from timwatch.dashboards.run_overview import ENTROPY_WINDOW, NOISE_WINDOW
+from .run_overview import ENTROPY_WINDOW, NOISE_WINDOW
 
 __all__ = ["UID", "build"]
 

@@ -12,7 +12,7 @@ from grafana_foundation_sdk.builders import table as table_b
 from grafana_foundation_sdk.models import dashboard as dashboard_m
 from grafana_foundation_sdk.models import prometheus as prometheus_m
 
-from timwatch.dashboards.common import (
+from .common import (
     DATASOURCE,
     RUN,
     IdAllocator,
@@ -23,7 +23,7 @@ from timwatch.dashboards.common import (
     stat,
     timeseries,
 )
-from timwatch.dashboards.run_overview import (
+from .run_overview import (
     IS_STD_WINDOW,
     KL_WINDOW,
     LAG_MAX_WINDOW,

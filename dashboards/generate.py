@@ -21,7 +21,7 @@ from typing import Any
 from grafana_foundation_sdk.builders.dashboard import Dashboard
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
-from timwatch.dashboards import estr_view, fleet, run_overview
+from . import estr_view, fleet, run_overview
 
 __all__ = ["DASHBOARDS", "PANELS_MD", "main", "panels_markdown", "render", "render_all"]
 

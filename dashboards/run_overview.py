@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dashboard_b
 
-from timwatch.dashboards.common import (
+from .common import (
     RUN,
     IdAllocator,
     base_dashboard,

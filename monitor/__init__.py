@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from timwatch.monitor.core.errors import (
+from .core.errors import (
     ApiError,
     BatchError,
     InputError,
@@ -22,14 +22,14 @@ from timwatch.monitor.core.errors import (
     TimwatchHTTPError,
     WireError,
 )
-from timwatch.monitor.core.lazy import lazy_exports
+from .core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from timwatch.monitor.client import TimwatchClient, decode_masks
-    from timwatch.monitor.core.accumulator import Accumulator
-    from timwatch.monitor.core.batch import Batch
-    from timwatch.monitor.core.engine import accumulate, analyze
-    from timwatch.monitor.core.masks import (
+    from .client import TimwatchClient, decode_masks
+    from .core.accumulator import Accumulator
+    from .core.batch import Batch
+    from .core.engine import accumulate, analyze
+    from .core.masks import (
         POLICIES,
         PolicyParams,
         delta_abs_keep_mask,
@@ -43,13 +43,13 @@ if TYPE_CHECKING:
         tis_keep_mask,
         tis_weights,
     )
-    from timwatch.monitor.core.row import MetricRow, derive_row
-    from timwatch.monitor.core.version import __version__
-    from timwatch.monitor.service.app import create_app
-    from timwatch.monitor.service.settings import Settings
-    from timwatch.monitor.store.repo import Store
-    from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
-    from timwatch.monitor.trainer.losses import (
+    from .core.row import MetricRow, derive_row
+    from .core.version import __version__
+    from .service.app import create_app
+    from .service.settings import Settings
+    from .store.repo import Store
+    from .trainer.logprobs import logprobs_and_entropy_from_logits
+    from .trainer.losses import (
         EwmaOldPolicy,
         decoupled_ppo_loss,
         decoupled_ratios,

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from timwatch.monitor.core.errors import TimwatchHTTPError
-from timwatch.monitor.core.jsoncodec import dumps, loads
+from .core.errors import TimwatchHTTPError
+from .core.jsoncodec import dumps, loads
 
 if TYPE_CHECKING:
     import httpx

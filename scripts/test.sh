@@ -19,7 +19,7 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium)
 # the scale-out stack test (tests/stack/test_scaleout.py): load balancer and remote-write receiver
 command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || need+=(haproxy)
 command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
-# the stream reader's C code (sidecar/proxy/_cstream.c), built by the install below: a compiler
+# the stream reader's C code (sidecar/proxy/native/_cstream.c), built by the install below: a compiler
 # and Python's headers (without them the install falls back to numba; here that would fail)
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
 "${PYTHON:-python3}" -c 'import os, sysconfig; p = sysconfig.get_paths()["include"]

@@ -6,22 +6,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from timwatch.monitor.core.lazy import lazy_exports
+from ..monitor.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from timwatch.sidecar.proxy.capture import CaptureStore
-    from timwatch.sidecar.proxy.join import JoinedSample, Joiner, parse_report
-    from timwatch.sidecar.proxy.records import RolloutRecord
-    from timwatch.sidecar.tap.shipper import Tap
-    from timwatch.sidecar.tap.stats import TapStats
+    from .proxy.capture import CaptureStore
+    from .proxy.join.joiner import JoinedSample, Joiner, parse_report
+    from .proxy.records import RolloutRecord
+    from .tap.shipper import Tap
+    from .tap.stats import TapStats
 
 _EXPORTS = {
     "Tap": "timwatch.sidecar.tap.shipper",
     "TapStats": "timwatch.sidecar.tap.stats",
     "CaptureStore": "timwatch.sidecar.proxy.capture",
-    "Joiner": "timwatch.sidecar.proxy.join",
-    "JoinedSample": "timwatch.sidecar.proxy.join",
-    "parse_report": "timwatch.sidecar.proxy.join",
+    "Joiner": "timwatch.sidecar.proxy.join.joiner",
+    "JoinedSample": "timwatch.sidecar.proxy.join.joiner",
+    "parse_report": "timwatch.sidecar.proxy.join.joiner",
     "RolloutRecord": "timwatch.sidecar.proxy.records",
 }
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -57,7 +57,7 @@ _PEERS = typer.Option(
 def _check_runs(run: str, *derived: str) -> None:
     """Refuse a --run the monitor would refuse every batch of; with ``derived`` (runs named
     after it) those are checked too and the message names the one that failed."""
-    from timwatch.monitor.core.runid import check_run_id
+    from ..monitor.core.runid import check_run_id
 
     for name in (run, *derived):
         reason = check_run_id(name)
@@ -121,9 +121,9 @@ def sglang(
     <run>-prefill-probe. With --peer, N proxies behind one router join every report wherever
     its samples were captured.
     """
-    from timwatch.sidecar.proxy.join_http import install_join
-    from timwatch.sidecar.proxy.probe_forward import PROBE_RUN_SUFFIX, install_probe_forward
-    from timwatch.sidecar.proxy.sglang import create_app
+    from .proxy.join.http import install_join
+    from .proxy.sglang.app import create_app
+    from .proxy.sglang.probe_forward import PROBE_RUN_SUFFIX, install_probe_forward
 
     host, port = _split_listen(listen)
     _check_runs(run, run + PROBE_RUN_SUFFIX)
@@ -189,8 +189,8 @@ def vllm(
     clients get vLLM's own bytes for their request. With --monitor it also accepts trainer
     reports on POST /timwatch/v1/trainer_reports (joined batches go to run --run).
     """
-    from timwatch.sidecar.proxy.join_http import install_join
-    from timwatch.sidecar.proxy.vllm import LOGPROBS_MODES, create_app
+    from .proxy.join.http import install_join
+    from .proxy.vllm.app import LOGPROBS_MODES, create_app
 
     host, port = _split_listen(listen)
     if logprobs_mode not in LOGPROBS_MODES:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from timwatch.monitor.core.errors import (
+from .monitor.core.errors import (
     ApiError,
     BatchError,
     InputError,
@@ -22,10 +22,10 @@ from timwatch.monitor.core.errors import (
     TimwatchHTTPError,
     WireError,
 )
-from timwatch.monitor.core.lazy import lazy_exports
+from .monitor.core.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from timwatch.monitor import (
+    from .monitor import (
         Batch,
         PolicyParams,
         Settings,
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
         estr_ppo_loss,
         keep_masks,
     )
-    from timwatch.monitor.core.version import __version__
-    from timwatch.sidecar.tap import Tap
+    from .monitor.core.version import __version__
+    from .sidecar.tap import Tap
 
 _EXPORTS = {
     "__version__": "timwatch.monitor.core.version",

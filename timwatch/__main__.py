@@ -1,5 +1,5 @@
 """``python -m timwatch``: the same program as the ``timwatch`` command."""
 
-from timwatch.cli import main
+from .cli import main
 
 main()

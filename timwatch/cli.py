@@ -11,16 +11,16 @@ from typing import Annotated
 
 import typer
 
-from timwatch.monitor.cli.analyze import analyze
-from timwatch.monitor.cli.dashboards import dashboards_app
-from timwatch.monitor.cli.diagnose import diagnose
-from timwatch.monitor.cli.history import history_app
-from timwatch.monitor.cli.lifecycle import finish
-from timwatch.monitor.cli.program import run
-from timwatch.monitor.cli.serve import serve
-from timwatch.monitor.core.version import __version__
-from timwatch.sidecar.cli import sidecar_app
-from timwatch.sidecar.demo.run import demo
+from .monitor.cli.analyze import analyze
+from .monitor.cli.dashboards import dashboards_app
+from .monitor.cli.diagnose import diagnose
+from .monitor.cli.history import history_app
+from .monitor.cli.lifecycle import finish
+from .monitor.cli.program import run
+from .monitor.cli.serve import serve
+from .monitor.core.version import __version__
+from .sidecar.cli import sidecar_app
+from .sidecar.demo.run import demo
 
 __all__ = ["app", "main"]
 

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from timwatch.monitor.cli.params import check_nonfinite, with_policy_options
-from timwatch.monitor.core.errors import ConfigError
-from timwatch.monitor.core.masks import PolicyParams
+from ..core.errors import ConfigError
+from ..core.masks import PolicyParams
+from .params import check_nonfinite, with_policy_options
 
 if TYPE_CHECKING:
-    from timwatch.monitor.core.batch import Batch
+    from ..core.batch import Batch
 
 __all__ = ["analyze", "read_batch"]
 
@@ -21,7 +21,7 @@ __all__ = ["analyze", "read_batch"]
 def read_batch(file: Path, nonfinite: str = "refuse") -> Batch:
     """The batch in ``file`` (.safetensors by suffix, JSON otherwise). A missing or unreadable
     file raises `ConfigError`; a malformed batch `BatchError` naming the field and index."""
-    from timwatch.monitor.core.batch import Batch, BatchError
+    from ..core.batch import Batch, BatchError
 
     mode = check_nonfinite(nonfinite)
     try:
@@ -49,13 +49,13 @@ def analyze(
     params: PolicyParams,
 ) -> None:
     """Compute every metric and every policy's mask ratio for one batch file."""
-    from timwatch.monitor.core.engine import analyze as analyze_batch
-    from timwatch.monitor.core.jsoncodec import dumps
+    from ..core.engine import analyze as analyze_batch
+    from ..core.jsoncodec import dumps
 
     row = analyze_batch(read_batch(file, nonfinite), params).to_dict()
     if json_out:
         sys.stdout.write(dumps(row).decode() + "\n")
         return
-    from timwatch.monitor.cli.render import render_row
+    from .render import render_row
 
     render_row(row, title=str(file))

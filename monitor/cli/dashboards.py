@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from timwatch.dashboards.queries import DASHBOARD_DIR
+from ...dashboards.queries import DASHBOARD_DIR
 
 __all__ = [
     "DEFAULT_DASHBOARD_DIR",
@@ -40,7 +40,7 @@ def default_dashboard_files() -> list[Path]:
 
 def load_dashboard(path: Path) -> dict[str, Any]:
     """Read one dashboard JSON file (a bare dashboard or an export ``{"dashboard": {...}}``)."""
-    from timwatch.monitor.core.jsoncodec import loads  # orjson: depth-limited, no recursion
+    from ..core.jsoncodec import loads  # orjson: depth-limited, no recursion
 
     try:
         data = loads(path.read_bytes())

@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from timwatch.monitor.cli.history import JsonOpt, RunArg, TokenOpt, UrlOpt, ask
-from timwatch.monitor.client import DEFAULT_URL
-from timwatch.monitor.core.errors import ConfigError
-from timwatch.monitor.core.jsoncodec import dumps
+from ..client import DEFAULT_URL
+from ..core.errors import ConfigError
+from ..core.jsoncodec import dumps
+from .history import JsonOpt, RunArg, TokenOpt, UrlOpt, ask
 
 __all__ = ["diagnose", "render_diagnosis"]
 

@@ -19,12 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from timwatch.monitor.client import DEFAULT_URL
-from timwatch.monitor.core.errors import ConfigError, TimwatchHTTPError
-from timwatch.monitor.core.jsoncodec import dumps
+from ..client import DEFAULT_URL
+from ..core.errors import ConfigError, TimwatchHTTPError
+from ..core.jsoncodec import dumps
 
 if TYPE_CHECKING:
-    from timwatch.monitor.client import TimwatchClient
+    from ..client import TimwatchClient
 
 __all__ = ["REPORT_METRICS", "ask", "history_app"]
 
@@ -70,7 +70,7 @@ def ask(
     or `token_env`). httpx loads here, not when the ``timwatch`` program starts."""
     import httpx
 
-    from timwatch.monitor.client import TimwatchClient
+    from ..client import TimwatchClient
 
     try:
         client = TimwatchClient(url, token=token)
@@ -173,7 +173,7 @@ def show(
     json: JsonOpt = False,
 ) -> None:
     """Print one step's row and details (buckets, worst tokens)."""
-    from timwatch.monitor.cli.render import render_details, render_row
+    from .render import render_details, render_row
 
     res = ask(url, token, lambda c: c.step(run, step))
     if json:

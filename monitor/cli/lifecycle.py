@@ -11,11 +11,11 @@ from typing import Annotated
 
 import typer
 
-from timwatch.monitor.cli.history import RunArg, UrlOpt, ask
-from timwatch.monitor.client import DEFAULT_URL
-from timwatch.monitor.core.errors import ConfigError
-from timwatch.monitor.core.jsoncodec import dumps
-from timwatch.monitor.core.runid import check_run_id
+from ..client import DEFAULT_URL
+from ..core.errors import ConfigError
+from ..core.jsoncodec import dumps
+from ..core.runid import check_run_id
+from .history import RunArg, UrlOpt, ask
 
 __all__ = ["finish"]
 

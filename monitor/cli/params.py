@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 
-from timwatch.monitor.core.errors import ConfigError
-from timwatch.monitor.core.masks import PolicyParams
+from ..core.errors import ConfigError
+from ..core.masks import PolicyParams
 
 __all__ = [
     "NONFINITE",

@@ -19,7 +19,7 @@ from typer._click.core import Command, Context, Parameter
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 from typer.core import TyperArgument, TyperGroup
 
-from timwatch.monitor.core.errors import TimwatchError
+from ..core.errors import TimwatchError
 
 __all__ = ["DEBUG_ENV", "one_line", "run", "tidy"]
 

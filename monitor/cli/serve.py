@@ -7,14 +7,14 @@ from typing import Annotated
 
 import typer
 
-from timwatch.monitor.cli.params import check_nonfinite, with_policy_options
-from timwatch.monitor.core.masks import PolicyParams
-from timwatch.monitor.service.settings import (
+from ..core.masks import PolicyParams
+from ..service.settings import (
     DEFAULT_DB_URL,
     DEFAULT_FINISH_GRACE,
     DEFAULT_MAX_BODY,
     DEFAULT_RUN_TTL,
 )
+from .params import check_nonfinite, with_policy_options
 
 __all__ = ["check_replica_id", "serve"]
 
@@ -99,8 +99,8 @@ def serve(
     params: PolicyParams,
 ) -> None:
     """Run the timwatch service (ingest, masks, history, /metrics)."""
-    from timwatch.monitor.service.serve import run_server
-    from timwatch.monitor.service.settings import Settings
+    from ..service.serve import run_server
+    from ..service.settings import Settings
 
     settings = Settings(
         host=host, port=port, db_url=db, token=token or None, read_token=read_token or None,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from timwatch.monitor.core.histograms import (
+from .histograms import (
     ABS_DELTA_LAYOUT,
     ABS_LOG_RATIO_BUCKETS,
     ESTR_SCORE_BUCKETS,
@@ -22,8 +22,8 @@ from timwatch.monitor.core.histograms import (
     HEATMAP_ENTROPY_EDGES,
     VERSION_LAG_BUCKETS,
 )
-from timwatch.monitor.core.layout import C, F, M
-from timwatch.monitor.core.masks import POLICIES, SEQUENCE_POLICIES, PolicyParams
+from .layout import C, F, M
+from .masks import POLICIES, SEQUENCE_POLICIES, PolicyParams
 
 __all__ = ["Accumulator", "LENGTH_BUCKETS", "TOP_K"]
 

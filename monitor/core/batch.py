@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from timwatch.monitor.core.batch_checks import (
+from .batch_checks import (
     ENTROPY_MAX,
     ENTROPY_SOURCES,
     LOGP_MAX,
@@ -28,7 +28,7 @@ from timwatch.monitor.core.batch_checks import (
     first,
     parse_meta_strings,
 )
-from timwatch.monitor.core.errors import BatchError
+from .errors import BatchError
 
 __all__ = [
     "ENTROPY_MAX",
@@ -179,7 +179,7 @@ class Batch:
     def from_json_bytes(cls, data: bytes, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
         """Build from the bytes of a JSON body, parsed straight into arrays
         (`timwatch.monitor.core.jsonscan`: bounded memory, no recursion)."""
-        from timwatch.monitor.core.jsonscan import scan_batch
+        from .jsonscan import scan_batch
 
         return cls.from_json(scan_batch(data), nonfinite=nonfinite)
 
@@ -187,7 +187,7 @@ class Batch:
     def from_safetensors(cls, data: bytes, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
         """Build from safetensors bytes: tensor names are field names, metadata in the header
         (`timwatch.monitor.core.safetensors_codec` checks the framing and the dtypes)."""
-        from timwatch.monitor.core.safetensors_codec import decode
+        from .safetensors_codec import decode
 
         tensors, raw_meta = decode(data)
         unknown = sorted(set(tensors) - set(REQUIRED_FIELDS + OPTIONAL_FIELDS)) or sorted(

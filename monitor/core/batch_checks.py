@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.errors import BatchError
+from .errors import BatchError
 
 __all__ = [
     "ENTROPY_MAX",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from timwatch.monitor.core.batch import Batch
+    from .batch import Batch
 
 __all__ = ["DIGEST_CHARS", "batch_digest"]
 

@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from timwatch.monitor.core import fastmath, kernels, kernels_seq, kernels_walk
-from timwatch.monitor.core.accumulator import TOP_K, Accumulator
-from timwatch.monitor.core.batch import Batch
-from timwatch.monitor.core.histograms import (
+from . import fastmath, kernels, kernels_seq, kernels_walk
+from .accumulator import TOP_K, Accumulator
+from .batch import Batch
+from .histograms import (
     ABS_DELTA_LAYOUT,
     ENTROPY_LAYOUT,
     ESTR_SCORE_LAYOUT,
@@ -22,11 +22,11 @@ from timwatch.monitor.core.histograms import (
     HEATMAP_ENTROPY_EDGES,
     FineLayout,
 )
-from timwatch.monitor.core.jitguard import seal_after_warm_up
-from timwatch.monitor.core.kernels import core_kernel, k3_of
-from timwatch.monitor.core.kernels_walk import bump_table
-from timwatch.monitor.core.masks import PolicyParams
-from timwatch.monitor.core.row import MetricRow, derive_row
+from .jitguard import seal_after_warm_up
+from .kernels import core_kernel, k3_of
+from .kernels_walk import bump_table
+from .masks import PolicyParams
+from .row import MetricRow, derive_row
 
 __all__ = ["KERNEL_THREADS", "Accumulator", "MetricRow", "accumulate", "analyze", "warm_up"]
 

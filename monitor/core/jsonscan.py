@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from timwatch.monitor.core.errors import BatchError
+from .errors import BatchError
 
 __all__ = ["CHUNK", "INT_LIKE", "scan_batch"]
 

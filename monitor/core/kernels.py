@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import (
+from .fastmath import (
     exp,
     fine_index,
     from_order_key,
@@ -40,14 +40,14 @@ from timwatch.monitor.core.fastmath import (
     k3_rm1_r,
     order_key,
 )
-from timwatch.monitor.core.kernels_seq import VACC, start_segments
-from timwatch.monitor.core.kernels_walk import (
+from .kernels_seq import VACC, start_segments
+from .kernels_walk import (
     LANES,
     finish_sequence,
     fold_fine,
     walk_chunk,
 )
-from timwatch.monitor.core.layout import C, F, M
+from .layout import C, F, M
 
 __all__ = ["F", "M", "C", "core_kernel", "k3_of"]
 

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import (
+from .fastmath import (
     LOG_P_HI,
     LOG_P_LO,
     bits_f64,
@@ -24,7 +24,7 @@ from timwatch.monitor.core.fastmath import (
     from_order_key,
     order_key,
 )
-from timwatch.monitor.core.layout import C, F, M
+from .layout import C, F, M
 
 __all__ = [
     "VACC",

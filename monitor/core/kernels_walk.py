@@ -23,15 +23,15 @@ import math
 import numpy as np
 from numba import njit
 
-from timwatch.monitor.core.fastmath import LOG_P_HI, LOG_P_LO, log
-from timwatch.monitor.core.kernels_seq import (
+from .fastmath import LOG_P_HI, LOG_P_LO, log
+from .kernels_seq import (
     kpop_maybe,
     kpop_threshold,
     top_k,
     verl_close,
     verl_segment,
 )
-from timwatch.monitor.core.layout import C, F, M
+from .layout import C, F, M
 
 __all__ = [
     "LANES",

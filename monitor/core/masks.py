@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from timwatch.monitor.core.mask_ops import (  # CLAMP: re-exported for core.row
+from .mask_ops import (  # CLAMP: re-exported for core.row
     CLAMP,
     _clamp,
     _expand,
@@ -28,10 +28,10 @@ from timwatch.monitor.core.mask_ops import (  # CLAMP: re-exported for core.row
     log_ratio,
     token_k3,
 )
-from timwatch.monitor.core.rs_modes import verl_keep_mask
+from .rs_modes import verl_keep_mask
 
 if TYPE_CHECKING:
-    from timwatch.monitor.core.batch import Batch
+    from .batch import Batch
 
 __all__ = [
     "CLAMP",

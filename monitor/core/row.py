@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.accumulator import Accumulator
-from timwatch.monitor.core.histograms import (
+from .accumulator import Accumulator
+from .histograms import (
     HEATMAP_ABS_DELTA_EDGES,
     HEATMAP_ENTROPY_EDGES,
     fine_quantile,
 )
-from timwatch.monitor.core.layout import C, F, M
-from timwatch.monitor.core.masks import CLAMP
+from .layout import C, F, M
+from .masks import CLAMP
 
 __all__ = ["MetricRow", "SCALAR_METRICS", "derive_row"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.mask_ops import (
+from .mask_ops import (
     _clamp,
     _expand,
     _f64,

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.batch_checks import check_text
-from timwatch.monitor.core.errors import BatchError
-from timwatch.monitor.core.jsoncodec import loads
+from .batch_checks import check_text
+from .errors import BatchError
+from .jsoncodec import loads
 
 __all__ = ["DTYPES", "decode"]
 

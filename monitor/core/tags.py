@@ -13,7 +13,7 @@ import re
 import unicodedata
 from collections.abc import Mapping, Sequence
 
-from timwatch.monitor.core.errors import InputError
+from .errors import InputError
 
 __all__ = ["MAX_TAGS", "MAX_TAG_KEY", "MAX_TAG_VALUE", "check_tag_count", "parse_tags"]
 

@@ -5,10 +5,10 @@ A layer above `timwatch.monitor.core` and `timwatch.monitor.store`: pure rules o
 `diagnose_run` reads one run's history from a `Store`. The service and the CLI import it.
 """
 
-from timwatch.monitor.diagnosis.findings import Evidence, Finding, NotChecked
-from timwatch.monitor.diagnosis.series import PROBE_SUFFIX, StepSeries, load_series
-from timwatch.monitor.diagnosis.thresholds import FIRES
-from timwatch.monitor.diagnosis.verdict import CAUSES, RULES, Diagnosis, diagnose, diagnose_run
+from .findings import Evidence, Finding, NotChecked
+from .series import PROBE_SUFFIX, StepSeries, load_series
+from .thresholds import FIRES
+from .verdict import CAUSES, RULES, Diagnosis, diagnose, diagnose_run
 
 __all__ = [
     "CAUSES",

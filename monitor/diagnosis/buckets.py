@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.diagnosis.series import StepSeries
+from .series import StepSeries
 
 __all__ = ["Bucket", "LengthGrowth", "detail_span", "length_growth", "merge_buckets", "worst_mu"]
 

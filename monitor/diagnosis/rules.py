@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from timwatch.monitor.diagnosis import thresholds as th
-from timwatch.monitor.diagnosis.buckets import detail_span, length_growth, merge_buckets
-from timwatch.monitor.diagnosis.findings import Evidence, Finding, NotChecked, ramp, ramp_log
-from timwatch.monitor.diagnosis.series import PROBE_SUFFIX, StepSeries, summarize
+from . import thresholds as th
+from .buckets import detail_span, length_growth, merge_buckets
+from .findings import Evidence, Finding, NotChecked, ramp, ramp_log
+from .series import PROBE_SUFFIX, StepSeries, summarize
 
 __all__ = [
     "EngineGap",

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from timwatch.monitor.diagnosis import thresholds as th
-from timwatch.monitor.diagnosis.buckets import detail_span, length_growth, worst_mu
-from timwatch.monitor.diagnosis.findings import Evidence, Finding, NotChecked, ramp, ramp_log
-from timwatch.monitor.diagnosis.rules import g
-from timwatch.monitor.diagnosis.series import StepSeries, summarize
+from . import thresholds as th
+from .buckets import detail_span, length_growth, worst_mu
+from .findings import Evidence, Finding, NotChecked, ramp, ramp_log
+from .rules import g
+from .series import StepSeries, summarize
 
 __all__ = ["entropy_collapse", "length", "teacher_collapse", "tokenization"]
 

@@ -24,7 +24,7 @@ __all__ = [
     "summarize",
 ]
 
-#: the run the SGLang proxy's prefill probes go to (``sidecar/proxy/probe_forward.py``)
+#: the run the SGLang proxy's prefill probes go to (``sidecar/proxy/sglang/probe_forward.py``)
 PROBE_SUFFIX = "-prefill-probe"
 #: at most this many steps' details are read (evenly spread over the window, last step kept)
 DETAIL_STEPS = 64

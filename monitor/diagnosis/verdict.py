@@ -11,15 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from timwatch.monitor.diagnosis.findings import Finding, NotChecked
-from timwatch.monitor.diagnosis.rules import decode_vs_prefill, precision, staleness
-from timwatch.monitor.diagnosis.rules_shape import (
+from .findings import Finding, NotChecked
+from .rules import decode_vs_prefill, precision, staleness
+from .rules_shape import (
     entropy_collapse,
     length,
     teacher_collapse,
     tokenization,
 )
-from timwatch.monitor.diagnosis.series import StepSeries, load_series
+from .series import StepSeries, load_series
 
 __all__ = ["CAUSES", "RULES", "Diagnosis", "diagnose", "diagnose_run"]
 

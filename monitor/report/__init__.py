@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from timwatch.monitor.report.html import TokenText
-    from timwatch.monitor.store import Store
+    from ..store import Store
+    from .html import TokenText
 
 __all__ = ["build_report"]
 
@@ -26,8 +26,8 @@ def build_report(
 ) -> str:
     """The report page of ``run`` over the inclusive step range; `LookupError` for an unknown
     run, `StoreUnavailable` when the store fails."""
-    from timwatch.monitor.report.data import gather
-    from timwatch.monitor.report.html import render
+    from .data import gather
+    from .html import render
 
     data = gather(store, run, from_step=from_step, to_step=to_step)
     return render(data, token_text=token_text)

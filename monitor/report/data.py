@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.errors import StoreUnavailable
-from timwatch.monitor.diagnosis import diagnose_run
-from timwatch.monitor.report.thresholds import MASK_POLICY_THRESHOLDS, SERIES_THRESHOLDS
-from timwatch.monitor.store import Store
+from ..core.errors import StoreUnavailable
+from ..diagnosis import diagnose_run
+from ..store import Store
+from .thresholds import MASK_POLICY_THRESHOLDS, SERIES_THRESHOLDS
 
 log = logging.getLogger("timwatch.report")
 

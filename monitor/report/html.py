@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from timwatch.monitor.core.masks import TOKEN_POLICIES
-from timwatch.monitor.report import plots
-from timwatch.monitor.report.data import DETAIL_STEPS, MAX_POINTS, ReportData
-from timwatch.monitor.report.thresholds import MASK_POLICY_THRESHOLDS, SERIES_THRESHOLDS
+from ..core.masks import TOKEN_POLICIES
+from . import plots
+from .data import DETAIL_STEPS, MAX_POINTS, ReportData
+from .thresholds import MASK_POLICY_THRESHOLDS, SERIES_THRESHOLDS
 
 __all__ = ["diagnosis_section", "render"]
 

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-from timwatch.monitor.report.figcache import cached
+from .figcache import cached
 
 __all__ = ["Curve", "buckets_png", "heatmap_png", "series_png"]
 

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from timwatch.monitor.core.errors import ConfigError
+from ..core.errors import ConfigError
 
 __all__ = ["TokenVocabulary", "load_tokenizer"]
 

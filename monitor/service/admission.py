@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import TracebackType
 
-from timwatch.monitor.core.errors import ApiError
+from ..core.errors import ApiError
 
 __all__ = [
     "INGEST_SLOTS",

@@ -21,17 +21,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from timwatch.monitor.core.errors import ApiError
-from timwatch.monitor.core.version import __version__
-from timwatch.monitor.report.tokenizer import load_tokenizer
-from timwatch.monitor.service.admission import RETRY_AFTER_S
-from timwatch.monitor.service.exporter import make_registry
-from timwatch.monitor.service.responses import encode_masks, json_response, metric_column
-from timwatch.monitor.service.routes import ROUTERS
-from timwatch.monitor.service.runs import RunRegistry
-from timwatch.monitor.service.serving import Serving
-from timwatch.monitor.service.settings import Settings
-from timwatch.monitor.store import Store, StoreUnavailable
+from ..core.errors import ApiError
+from ..core.version import __version__
+from ..report.tokenizer import load_tokenizer
+from ..store import Store, StoreUnavailable
+from .admission import RETRY_AFTER_S
+from .exporter import make_registry
+from .responses import encode_masks, json_response, metric_column
+from .routes import ROUTERS
+from .runs import RunRegistry
+from .serving import Serving
+from .settings import Settings
 
 __all__ = ["ApiError", "create_app", "encode_masks", "metric_column"]
 

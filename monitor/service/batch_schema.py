@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from timwatch.monitor.core.batch import (
+from ..core.batch import (
     ENTROPY_SOURCES,
     FLOAT_FIELDS,
     LOGP_FIELDS,
@@ -19,7 +19,7 @@ from timwatch.monitor.core.batch import (
     OPTIONAL_FIELDS,
     REQUIRED_FIELDS,
 )
-from timwatch.monitor.core.batch_checks import ENTROPY_MAX, LOGP_MIN
+from ..core.batch_checks import ENTROPY_MAX, LOGP_MIN
 
 __all__ = ["batch_schema"]
 

@@ -15,14 +15,14 @@ from typing import Annotated
 from fastapi import Depends, Query, Request
 from prometheus_client import CollectorRegistry
 
-from timwatch.monitor.core.errors import ApiError
-from timwatch.monitor.core.masks import PolicyParams
-from timwatch.monitor.service.admission import Reservation
-from timwatch.monitor.service.params import PolicyQuery, apply_query
-from timwatch.monitor.service.runs import RunRegistry
-from timwatch.monitor.service.serving import Serving
-from timwatch.monitor.service.settings import Settings
-from timwatch.monitor.store import Store
+from ..core.errors import ApiError
+from ..core.masks import PolicyParams
+from ..store import Store
+from .admission import Reservation
+from .params import PolicyQuery, apply_query
+from .runs import RunRegistry
+from .serving import Serving
+from .settings import Settings
 
 __all__ = [
     "CollectorRegistryDep",

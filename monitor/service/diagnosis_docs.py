@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from timwatch.monitor.service.openapi_examples import error, read_errors
+from .openapi_examples import error, read_errors
 
 __all__ = ["DIAGNOSIS_DESCRIPTION", "DIAGNOSIS_RESPONSES"]
 

@@ -27,7 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from timwatch.monitor.service.runs import REJECT_REASONS, RunRegistry, RunState
+from .runs import REJECT_REASONS, RunRegistry, RunState
 
 __all__ = [
     "CONTENT_TYPE",

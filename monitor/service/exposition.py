@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 
-from timwatch.monitor.service.exporter import TimwatchCollector
-from timwatch.monitor.service.runs import RunRegistry, RunState
+from .exporter import TimwatchCollector
+from .runs import RunRegistry, RunState
 
 __all__ = ["Exposition"]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 
-from timwatch.monitor.core.errors import TimwatchError
-from timwatch.monitor.service.background import BackgroundThread
-from timwatch.monitor.service.runs import RunRegistry
-from timwatch.monitor.store import Store
+from ..core.errors import TimwatchError
+from ..store import Store
+from .background import BackgroundThread
+from .runs import RunRegistry
 
 __all__ = ["FINISH_SYNC_INTERVAL_S", "FinishSync"]
 

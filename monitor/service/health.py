@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from timwatch.monitor.core.errors import StoreUnavailable
-from timwatch.monitor.service.admission import InflightBudget
-from timwatch.monitor.service.background import BackgroundThread
-from timwatch.monitor.service.runs import RunRegistry
-from timwatch.monitor.service.settings import Settings
-from timwatch.monitor.store import Store
+from ..core.errors import StoreUnavailable
+from ..store import Store
+from .admission import InflightBudget
+from .background import BackgroundThread
+from .runs import RunRegistry
+from .settings import Settings
 
 __all__ = ["PING_INTERVAL_S", "PING_TIMEOUT_S", "Pinger", "health_answer"]
 

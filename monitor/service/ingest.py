@@ -16,19 +16,19 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from timwatch.monitor.core.accumulator import Accumulator
-from timwatch.monitor.core.batch import Batch, NonFinitePolicy
-from timwatch.monitor.core.digest import batch_digest
-from timwatch.monitor.core.engine import accumulate
-from timwatch.monitor.core.errors import ApiError, BatchConflict, BatchError, InputError
-from timwatch.monitor.core.masks import PolicyParams, keep_masks
-from timwatch.monitor.core.row import derive_row
-from timwatch.monitor.core.runid import check_run_id
-from timwatch.monitor.core.tags import parse_tags
-from timwatch.monitor.service.responses import encode_masks
-from timwatch.monitor.service.runs import RunRegistry
-from timwatch.monitor.store import Store
-from timwatch.monitor.store.totals import Tally
+from ..core.accumulator import Accumulator
+from ..core.batch import Batch, NonFinitePolicy
+from ..core.digest import batch_digest
+from ..core.engine import accumulate
+from ..core.errors import ApiError, BatchConflict, BatchError, InputError
+from ..core.masks import PolicyParams, keep_masks
+from ..core.row import derive_row
+from ..core.runid import check_run_id
+from ..core.tags import parse_tags
+from ..store import Store
+from ..store.totals import Tally
+from .responses import encode_masks
+from .runs import RunRegistry
 
 __all__ = [
     "MAX_TAP_DROPPED",

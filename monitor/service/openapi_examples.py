@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from timwatch.monitor.service.batch_schema import batch_schema
+from .batch_schema import batch_schema
 
 __all__ = [
     "BATCH_BODY",

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, create_model
 
-from timwatch.monitor.core.errors import ApiError
-from timwatch.monitor.core.masks import POLICIES, PolicyParams
-from timwatch.monitor.service.responses import split_list
+from ..core.errors import ApiError
+from ..core.masks import POLICIES, PolicyParams
+from .responses import split_list
 
 __all__ = [
     "ParamDoc",

@@ -9,7 +9,7 @@ from typing import TypedDict
 import numpy as np
 from fastapi.responses import Response
 
-from timwatch.monitor.core.jsoncodec import dumps
+from ..core.jsoncodec import dumps
 
 __all__ = ["EncodedMasks", "encode_masks", "json_response", "metric_column", "split_list"]
 

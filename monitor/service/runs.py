@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from timwatch.monitor.core.accumulator import Accumulator
+    from ..core.accumulator import Accumulator
 
-from timwatch.monitor.service.settings import DEFAULT_FINISH_GRACE, DEFAULT_RUN_TTL
+from .settings import DEFAULT_FINISH_GRACE, DEFAULT_RUN_TTL
 
 __all__ = [
     "REJECT_REASONS",

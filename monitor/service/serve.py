@@ -12,11 +12,11 @@ import socket
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from timwatch.monitor.core.errors import ConfigError, InsecureBindError, StoreUnavailable
-from timwatch.monitor.service.settings import Settings, is_loopback
+from ..core.errors import ConfigError, InsecureBindError, StoreUnavailable
+from .settings import Settings, is_loopback
 
 if TYPE_CHECKING:
-    from timwatch.monitor.store import Store
+    from ..store import Store
 
 __all__ = [
     "InsecureBindError",
@@ -44,7 +44,7 @@ def check_bind(settings: Settings) -> None:
 def check_settings(settings: Settings) -> None:
     """The checks that need neither the network nor the store: port range, bind/token, the
     database URL (parsable, driver installed, SQLite directory writable)."""
-    from timwatch.monitor.store.db import check_url
+    from ..store.db import check_url
 
     if not 1 <= settings.port <= 65535:
         raise ConfigError(f"port must be 1–65535, got {settings.port}")
@@ -114,7 +114,7 @@ def open_store(url: str) -> Store:
     """Open and migrate the store; a failure becomes one line naming the database."""
     from sqlalchemy.exc import DBAPIError
 
-    from timwatch.monitor.store import Store, describe_url, is_sqlite
+    from ..store import Store, describe_url, is_sqlite
 
     where = describe_url(url)
     verb = "cannot open" if is_sqlite(url) else "cannot connect to"
@@ -146,8 +146,8 @@ def run_server(settings: Settings, *, log_level: str = "info", out: TextIO = sys
     try:
         import uvicorn
 
-        from timwatch.monitor.core.engine import warm_up
-        from timwatch.monitor.service.app import create_app
+        from ..core.engine import warm_up
+        from .app import create_app
 
         warm_up()
         store = open_store(settings.db_url)

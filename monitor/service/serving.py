@@ -13,13 +13,13 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from timwatch.monitor.service.admission import InflightBudget, IngestSlots
-from timwatch.monitor.service.exposition import Exposition
-from timwatch.monitor.service.finish_sync import FinishSync
-from timwatch.monitor.service.health import Pinger
-from timwatch.monitor.service.runs import RunRegistry
-from timwatch.monitor.service.settings import Settings
-from timwatch.monitor.store import Store
+from ..store import Store
+from .admission import InflightBudget, IngestSlots
+from .exposition import Exposition
+from .finish_sync import FinishSync
+from .health import Pinger
+from .runs import RunRegistry
+from .settings import Settings
 
 __all__ = ["Serving"]
 

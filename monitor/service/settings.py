@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from timwatch.monitor.core.masks import PolicyParams
+    from ..core.masks import PolicyParams
 
 __all__ = [
     "DEFAULT_DB_URL",
@@ -37,7 +37,7 @@ INFLIGHT_BODIES = 4
 
 
 def _default_params() -> PolicyParams:
-    from timwatch.monitor.core.masks import PolicyParams
+    from ..core.masks import PolicyParams
 
     return PolicyParams()
 

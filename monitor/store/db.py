@@ -10,7 +10,7 @@ from sqlalchemy import URL, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-from timwatch.monitor.core.errors import ConfigError
+from ..core.errors import ConfigError
 
 __all__ = [
     "PG_LOCK_TIMEOUT_S",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from sqlalchemy.exc import OperationalError
 
-from timwatch.monitor.core.errors import StoreUnavailable
+from ..core.errors import StoreUnavailable
 
 __all__ = ["WRITE_LOCK_TIMEOUT_S", "WRITE_QUEUE_CAP_S", "WriteHealth", "WriterLock"]
 

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Table, func, select
 
-from timwatch.monitor.store.models import BatchRecord, Event, Run, StepDetail, steps_table
+from .models import BatchRecord, Event, Run, StepDetail, steps_table
 
 __all__ = [
     "count_batches",

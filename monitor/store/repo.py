@@ -19,18 +19,18 @@ from sqlalchemy import Connection, Table, insert, select
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from timwatch.monitor.core.errors import StoreUnavailable
-from timwatch.monitor.store import reads
-from timwatch.monitor.store.db import describe_url, is_sqlite, make_engine, upgrade
-from timwatch.monitor.store.health import WriteHealth, WriterLock
-from timwatch.monitor.store.models import (
+from ..core.errors import StoreUnavailable
+from . import reads
+from .db import describe_url, is_sqlite, make_engine, upgrade
+from .health import WriteHealth, WriterLock
+from .models import (
     METRIC_COLUMNS,
     Event,
     Run,
 )
-from timwatch.monitor.store.series import SeriesMismatch, jsonable, read_series
-from timwatch.monitor.store.totals import SeedRow, Tally, seed_rows
-from timwatch.monitor.store.writes import finish_run, flatten_row, replay_of, write_new_batch
+from .series import SeriesMismatch, jsonable, read_series
+from .totals import SeedRow, Tally, seed_rows
+from .writes import finish_run, flatten_row, replay_of, write_new_batch
 
 __all__ = ["Store", "StoreUnavailable", "flatten_row"]
 
@@ -43,7 +43,7 @@ class Store:
     """The history store behind the API. Thread-safe; call from worker threads, not the loop."""
 
     def __init__(self, url: str, *, migrate: bool = True, sqlite_synchronous: str = "FULL") -> None:
-        from timwatch.monitor.core.jsoncodec import dumps_str, loads
+        from ..core.jsoncodec import dumps_str, loads
 
         self.url = url
         self.description = describe_url(url)

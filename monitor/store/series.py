@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, Table, bindparam, column, insert, select, table, update
 
-from timwatch.monitor.core.errors import SeriesMismatch
-from timwatch.monitor.store.models import COUNT_COLUMNS, METRIC_COLUMNS, series_table
+from ..core.errors import SeriesMismatch
+from .models import COUNT_COLUMNS, METRIC_COLUMNS, series_table
 
 __all__ = [
     "CHUNK",

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection, Table, insert, select, update
 
-from timwatch.monitor.core.accumulator import Accumulator
-from timwatch.monitor.store.models import ReplicaTotals, Run, StepDetail
+from ..core.accumulator import Accumulator
+from .models import ReplicaTotals, Run, StepDetail
 
 __all__ = ["SeedRow", "Tally", "add_to_totals", "seed_rows"]
 

@@ -12,11 +12,11 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection, Table, bindparam, insert, select, update
 
-from timwatch.monitor.core.accumulator import Accumulator
-from timwatch.monitor.core.errors import BatchConflict
-from timwatch.monitor.core.row import derive_row
-from timwatch.monitor.core.tags import check_tag_count
-from timwatch.monitor.store.models import (
+from ..core.accumulator import Accumulator
+from ..core.errors import BatchConflict
+from ..core.row import derive_row
+from ..core.tags import check_tag_count
+from .models import (
     COUNT_COLUMNS,
     FLOAT_COLUMNS,
     MASK_POLICIES,
@@ -27,8 +27,8 @@ from timwatch.monitor.store.models import (
     StepDetail,
     steps_table,
 )
-from timwatch.monitor.store.series import write_step as write_series
-from timwatch.monitor.store.totals import Tally, add_to_totals
+from .series import write_step as write_series
+from .totals import Tally, add_to_totals
 
 __all__ = [
     "StoredBatch",

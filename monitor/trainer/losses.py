@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from timwatch.monitor.core.masks import estr_keep_mask
+from ..core.masks import estr_keep_mask
 
 __all__ = [
     "DecoupledRatios",

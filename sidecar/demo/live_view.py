@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from timwatch.sidecar.demo.verdict import Level, judge
+from .verdict import Level, judge
 
 __all__ = ["COLUMNS", "MASKS", "METRICS", "LiveView", "make_console", "verdict_line"]
 

@@ -173,7 +173,7 @@ def response_logprobs(
     """π and H of each ``response`` token after ``prompt``: one full-sequence forward,
     ``softmax(logits / temperature)`` (`logprobs_and_entropy_from_logits`); both ``[len(response)]``
     float32, differentiable with respect to the model's weights."""
-    from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
+    from ...monitor.trainer.logprobs import logprobs_and_entropy_from_logits
 
     ids = torch.tensor([prompt + response], dtype=torch.int64)
     logits = model(ids)[0, len(prompt) - 1 : -1]

@@ -20,8 +20,8 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from timwatch.sidecar.demo.live_view import MARKS
-from timwatch.sidecar.demo.verdict import Level, advice, judge, num, worst_step
+from .live_view import MARKS
+from .verdict import Level, advice, judge, num, worst_step
 
 __all__ = ["history_url", "live_hints", "offline_hints", "program", "summary"]
 

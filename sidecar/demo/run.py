@@ -36,16 +36,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from timwatch.sidecar.demo.live_view import COLUMNS, LiveView, make_console
-from timwatch.sidecar.demo.report import history_url, live_hints, offline_hints, summary
-from timwatch.sidecar.demo.verdict import KL_HEALTHY, KL_OFF_POLICY, NEEDS, num, worst_step
+from .live_view import COLUMNS, LiveView, make_console
+from .report import history_url, live_hints, offline_hints, summary
+from .verdict import KL_HEALTHY, KL_OFF_POLICY, NEEDS, num, worst_step
 
 if TYPE_CHECKING:
     import httpx
 
-    from timwatch.sidecar.demo.service import DemoService
-    from timwatch.sidecar.demo.train import DemoTrainer
-    from timwatch.sidecar.demo.vllm_train import VllmDemoTrainer
+    from .service import DemoService
+    from .train import DemoTrainer
+    from .vllm_train import VllmDemoTrainer
 
 __all__ = ["DEFAULT_DB", "PRECISIONS", "demo"]
 
@@ -76,8 +76,8 @@ def _warm_up(
 ) -> tuple[DemoService, DemoTrainer | VllmDemoTrainer]:  # fmt: skip
     """Kernels, service, torch and model (and with ``engine="vllm"`` the vLLM server), each
     reported when ready."""
-    from timwatch.monitor.core.engine import warm_up
-    from timwatch.sidecar.demo.service import DemoService
+    from ...monitor.core.engine import warm_up
+    from .service import DemoService
 
     with console.status("compiling the metric kernels (numba; first run only)…") as status:
         t = time.monotonic()
@@ -93,7 +93,7 @@ def _warm_up(
 
         if engine == "vllm":
             return service, _warm_up_vllm(console, stack, status, **train)
-        from timwatch.sidecar.demo.train import DemoTrainer
+        from .train import DemoTrainer
 
         trainer = DemoTrainer(**train)
         console.print(
@@ -109,8 +109,8 @@ def _warm_up_vllm(console: Console, stack: ExitStack, status: Any, **train: Any)
     import tempfile
     from pathlib import Path
 
-    from timwatch.sidecar.demo.vllm_engine import find_python, free_port
-    from timwatch.sidecar.demo.vllm_train import VllmDemoTrainer
+    from .vllm_engine import find_python, free_port
+    from .vllm_train import VllmDemoTrainer
 
     python = find_python()
     if python is None:
@@ -250,8 +250,8 @@ def _train_and_report(
     """The steps, then the summary and hints; the exit code (130 when Ctrl-C stopped it)."""
     import httpx
 
-    from timwatch.sidecar.demo.service import free_run_name
-    from timwatch.sidecar.tap import Tap
+    from ..tap import Tap
+    from .service import free_run_name
 
     run = free_run_name(service.store, run)
     tap = Tap(service.url, run, rank=0)

@@ -17,9 +17,9 @@ class DemoService:
     def __init__(self, db_url: str, port: int = 0) -> None:
         import uvicorn
 
-        from timwatch.monitor.service.app import create_app
-        from timwatch.monitor.service.settings import Settings
-        from timwatch.monitor.store import Store
+        from ...monitor.service.app import create_app
+        from ...monitor.service.settings import Settings
+        from ...monitor.store import Store
 
         self.store = Store(db_url)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
-from timwatch.monitor.trainer.losses import estr_ppo_loss
-from timwatch.sidecar.demo.tinylm import TinyLM
+from ...monitor.trainer.logprobs import logprobs_and_entropy_from_logits
+from ...monitor.trainer.losses import estr_ppo_loss
+from .tinylm import TinyLM
 
 __all__ = ["DTYPES", "PROMPT_LEN", "DemoTrainer"]
 

@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import httpx
 
-from timwatch.sidecar.demo import vllm_startup
+from . import vllm_startup
 
 __all__ = [
     "BUILDER",

@@ -33,10 +33,10 @@ from typing import Any
 import httpx
 import torch
 
-from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
-from timwatch.monitor.trainer.losses import estr_ppo_loss
-from timwatch.sidecar.demo import llama
-from timwatch.sidecar.demo.vllm_engine import EngineClient, Generation, VllmProcess, build_model
+from ...monitor.trainer.logprobs import logprobs_and_entropy_from_logits
+from ...monitor.trainer.losses import estr_ppo_loss
+from . import llama
+from .vllm_engine import EngineClient, Generation, VllmProcess, build_model
 
 __all__ = ["DTYPES", "PROMPT_LEN", "VllmDemoTrainer"]
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from timwatch.monitor.core.errors import PluginContextError
-from timwatch.monitor.core.masks import estr_keep_mask
-from timwatch.monitor.trainer.losses import k3
+from ...monitor.core.errors import PluginContextError
+from ...monitor.core.masks import estr_keep_mask
+from ...monitor.trainer.losses import k3
 
 __all__ = ["estr_tis_function", "install_entropy_hook", "set_entropy"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from timwatch.sidecar.integrations.verl_loss import (
+from .verl_loss import (
     ESTR_LOSS_NAME,
     EstrInputs,
     SupportsReport,
@@ -44,7 +44,7 @@ def register_with_verl(*, hook_actor: bool = True) -> bool:
     if ESTR_LOSS_NAME not in getattr(core_algos, "POLICY_LOSS_REGISTRY", {}):
         core_algos.register_policy_loss(ESTR_LOSS_NAME)(compute_policy_loss_estr)
     if hook_actor:
-        from timwatch.sidecar.integrations import verl_hooks
+        from . import verl_hooks
 
         verl_hooks.install_all()
     return True

@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from timwatch.sidecar.integrations import verl_loss as plugin
+from . import verl_loss as plugin
 
 __all__ = [
     "STEP_KEY",
@@ -54,7 +54,7 @@ def worker_backend() -> plugin.TimwatchTracking | None:
     if not url:
         return None
     if _WORKER_BACKEND is None:
-        from timwatch.sidecar.tap import Tap
+        from ..tap import Tap
 
         tap = Tap(url, os.environ.get("TIMWATCH_RUN", "verl"), os.environ.get("TIMWATCH_TOKEN"))
         _WORKER_BACKEND = plugin.TimwatchTracking(tap)

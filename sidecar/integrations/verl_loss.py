@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import torch
 
-from timwatch.monitor.core.errors import ConfigError, PluginContextError
-from timwatch.monitor.core.masks import estr_keep_mask
-from timwatch.monitor.trainer.losses import k3, ppo_clip_token_loss
+from ...monitor.core.errors import ConfigError, PluginContextError
+from ...monitor.core.masks import estr_keep_mask
+from ...monitor.trainer.losses import k3, ppo_clip_token_loss
 
 __all__ = [
     "ESTR_LOSS_NAME",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
+from .records import HeldRecord, RolloutRecord
 
 __all__ = ["CaptureStore", "CaptureCounters", "DEFAULT_MAX_HELD_BYTES"]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.errors import WireError
+from ...monitor.core.errors import WireError
 
 __all__ = [
     "RolloutRecord",

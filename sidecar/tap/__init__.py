@@ -4,7 +4,7 @@ numba, FastAPI or torch: it writes the safetensors body itself (`wire`) and post
 standard library's ``http.client``. Everything the shipper thread needs is imported up front:
 an import from a daemon thread during interpreter shutdown fails."""
 
-from timwatch.sidecar.tap.shipper import Tap
-from timwatch.sidecar.tap.stats import TapStats
+from .shipper import Tap
+from .stats import TapStats
 
 __all__ = ["Tap", "TapStats"]

@@ -27,13 +27,13 @@ import time
 import weakref
 from typing import Any
 
-from timwatch.monitor.core.batch import Batch, BatchError
-from timwatch.sidecar.tap.pool import BufferPool
-from timwatch.sidecar.tap.poster import Poster, post_finish
-from timwatch.sidecar.tap.queue import DropLog, DropQueue, Item
-from timwatch.sidecar.tap.snapshot import detect_rank, nbytes_of, snapshot, snapshot_bytes, to_numpy
-from timwatch.sidecar.tap.stats import TapStats
-from timwatch.sidecar.tap.wire import Body, batch_id_for, encode
+from ...monitor.core.batch import Batch, BatchError
+from .pool import BufferPool
+from .poster import Poster, post_finish
+from .queue import DropLog, DropQueue, Item
+from .snapshot import detect_rank, nbytes_of, snapshot, snapshot_bytes, to_numpy
+from .stats import TapStats
+from .wire import Body, batch_id_for, encode
 
 __all__ = ["DROPPED_HEADER", "Tap"]
 

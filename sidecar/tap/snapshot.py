@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.sidecar.tap.pool import BufferPool
+from .pool import BufferPool
 
 __all__ = ["Bf16Words", "detect_rank", "nbytes_of", "snapshot", "snapshot_bytes", "to_numpy"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.batch import Batch
-from timwatch.monitor.core.digest import batch_digest
+from ...monitor.core.batch import Batch
+from ...monitor.core.digest import batch_digest
 
 __all__ = ["ID_DIGEST_CHARS", "Body", "batch_id_for", "encode"]
 

@@ -29,18 +29,18 @@ import numpy as np
 __all__ = ["REFOP", "WORKERS", "compile_workers", "read_ir"]
 
 WORKERS: list[tuple[str, str]] = [
-    ("timwatch.sidecar.proxy.deltascan", "_walk"),
-    ("timwatch.sidecar.proxy.deltascan", "_marks"),
-    ("timwatch.sidecar.proxy.deltascan", "_learn"),
-    ("timwatch.sidecar.proxy.numparse", "triples_into"),
-    ("timwatch.sidecar.proxy.scan", "_list_of_triples"),
-    ("timwatch.sidecar.proxy.scan", "_rows_into"),
-    ("timwatch.sidecar.proxy.scan", "_ints_into"),
-    ("timwatch.sidecar.proxy.scan", "_mark_flags"),
-    ("timwatch.sidecar.proxy.scan", "_frames_into"),
-    ("timwatch.sidecar.proxy.jsonspan", "_walk_into"),
-    ("timwatch.sidecar.proxy.jsonspan", "_member_numbers_into"),
-    ("timwatch.sidecar.proxy.dechunk", "_dechunk"),
+    ("timwatch.sidecar.proxy.sglang.deltascan", "_walk"),
+    ("timwatch.sidecar.proxy.sglang.deltascan", "_marks"),
+    ("timwatch.sidecar.proxy.sglang.deltascan", "_learn"),
+    ("timwatch.sidecar.proxy.jsonbytes.numbers", "triples_into"),
+    ("timwatch.sidecar.proxy.jsonbytes.scan", "_list_of_triples"),
+    ("timwatch.sidecar.proxy.jsonbytes.scan", "_rows_into"),
+    ("timwatch.sidecar.proxy.jsonbytes.scan", "_ints_into"),
+    ("timwatch.sidecar.proxy.jsonbytes.scan", "_mark_flags"),
+    ("timwatch.sidecar.proxy.jsonbytes.scan", "_frames_into"),
+    ("timwatch.sidecar.proxy.jsonbytes.span", "_walk_into"),
+    ("timwatch.sidecar.proxy.jsonbytes.span", "_member_numbers_into"),
+    ("timwatch.sidecar.proxy.http.dechunk", "_dechunk"),
     ("timwatch.monitor.core.kernels", "_vector_phase"),
     ("timwatch.monitor.core.kernels_walk", "walk_chunk"),
     ("timwatch.monitor.core.kernels_walk", "fold_fine"),
@@ -54,7 +54,10 @@ def compile_workers() -> None:
     """Call what compiles every worker of `WORKERS`: the engine in its float32 specialisation
     only (its float64 one is the same code; compiling both doubles the ~70 s this takes)."""
     from timwatch.monitor.core import engine
-    from timwatch.sidecar.proxy import dechunk, deltascan, jsonspan, scan
+    from timwatch.sidecar.proxy.http import dechunk
+    from timwatch.sidecar.proxy.jsonbytes import scan
+    from timwatch.sidecar.proxy.jsonbytes import span as jsonspan
+    from timwatch.sidecar.proxy.sglang import deltascan
 
     deltascan.warm_up()
     n = 4
@@ -94,7 +97,7 @@ def main(argv: list[str]) -> None:
     compile_workers()
     if warm:
         from timwatch.monitor.core.engine import warm_up
-        from timwatch.sidecar.proxy.compiled import warm_up as proxies
+        from timwatch.sidecar.proxy.warmup import warm_up as proxies
 
         warm_up()
         proxies("sglang")

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.helpers.procs import fake_sglang_process, sglang_proxy_process
-from timwatch.sidecar.proxy.sglang_wire import SampleState
+from timwatch.sidecar.proxy.sglang.wire import SampleState
 
 TOPK = 3
 

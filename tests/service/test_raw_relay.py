@@ -1,4 +1,4 @@
-"""Streams the SGLang proxy relays with the upstream's own chunk framing (`proxy.rawrelay`).
+"""Streams the SGLang proxy relays with the upstream's own chunk framing (`proxy.http.rawrelay`).
 
 A real proxy process (uvicorn) in front of a byte-exact upstream run in this process: it
 replays a stream the SGLang stand-in (`tests/helpers/fake_sglang.py`; real SGLang needs a GPU)
@@ -23,8 +23,8 @@ import orjson
 import pytest
 
 from tests.helpers.procs import fake_sglang_process, free_port, sglang_proxy_process
-from timwatch.sidecar.proxy.sglang_wire import SampleState
-from timwatch.sidecar.proxy.upstream import Upstream, UpstreamResponse
+from timwatch.sidecar.proxy.http.client import Upstream, UpstreamResponse
+from timwatch.sidecar.proxy.sglang.wire import SampleState
 
 BODY: dict[str, Any] = {
     "input_ids": [5, 6, 7, 8],

@@ -23,7 +23,7 @@ import tests.helpers.fake_sglang as fake
 from tests.helpers.procs import fake_sglang_process, sglang_proxy_process
 from timwatch.sidecar.proxy.capture import CaptureStore
 from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds
-from timwatch.sidecar.proxy.sglang_wire import SampleState, WireError, plan_request
+from timwatch.sidecar.proxy.sglang.wire import SampleState, WireError, plan_request
 
 TOPK = 5
 

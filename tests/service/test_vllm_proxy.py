@@ -27,9 +27,9 @@ import pytest
 
 from tests.helpers.procs import REPO, ServerProc, vllm_proxy_process, vllm_standin_process
 from timwatch.monitor.core.errors import NotFast, WireError
-from timwatch.sidecar.proxy.jsonspan import skip_value, u8, walk
-from timwatch.sidecar.proxy.vllm_capture import COUNTER_NAMES, VllmCapturer, relay_stream
-from timwatch.sidecar.proxy.vllm_edit import edit_answer, plan_request, truncates
+from timwatch.sidecar.proxy.jsonbytes.span import skip_value, u8, walk
+from timwatch.sidecar.proxy.vllm.capture import COUNTER_NAMES, VllmCapturer, relay_stream
+from timwatch.sidecar.proxy.vllm.edit import edit_answer, plan_request, truncates
 
 sys.path.insert(0, str(Path(REPO) / "benchmarks"))
 import vllm_standin as standin  # noqa: E402

@@ -30,8 +30,8 @@ from timwatch.monitor.core.row import derive_row
 
 PROXY = """
 import sys, uvicorn
-from timwatch.sidecar.proxy.sglang import create_app
-from timwatch.sidecar.proxy.join_http import install_join
+from timwatch.sidecar.proxy.sglang.app import create_app
+from timwatch.sidecar.proxy.join.http import install_join
 upstream, port, monitor = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 app = create_app(upstream, topk=5, vocab_size=48)
 install_join(app, monitor=monitor, run="e2e-default", report_ttl_s=5.0)

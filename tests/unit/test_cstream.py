@@ -1,4 +1,4 @@
-"""`proxy._cstream`, the stream reader's C code, against the numba code it mirrors
+"""`proxy.native._cstream`, the stream reader's C code, against the numba code it mirrors
 (`deltascan._scan_deltas`, `dechunk._dechunk`): answer for answer on generated streams, cut
 anywhere and with bytes changed anywhere, and on hand-written cases whose answers are worked
 out here. (`test_deltascan.py` and `test_dechunk.py` run all their tests on both too.)"""
@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from tests.helpers.readers import require_c
 from tests.unit.test_deltascan import _LOGPS, _TEXTS, _frame
-from timwatch.sidecar.proxy import dechunk, deltascan
-from timwatch.sidecar.proxy.numparse import POW5
+from timwatch.sidecar.proxy.http import dechunk
+from timwatch.sidecar.proxy.jsonbytes.numbers import POW5
+from timwatch.sidecar.proxy.sglang import deltascan
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -25,7 +26,7 @@ def _c_built() -> None:
 
 
 def _c() -> Any:
-    from timwatch.sidecar.proxy import _cstream  # type: ignore[attr-defined]
+    from timwatch.sidecar.proxy.native import _cstream  # type: ignore[attr-defined]
 
     return _cstream
 

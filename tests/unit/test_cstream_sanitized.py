@@ -21,13 +21,13 @@ ROOT = Path(__file__).resolve().parents[2]
 _FUZZ = textwrap.dedent(
     """
     import importlib.util, random, sys
-    import timwatch.sidecar.proxy as package
-    spec = importlib.util.spec_from_file_location("timwatch.sidecar.proxy._cstream", sys.argv[1])
+    import timwatch.sidecar.proxy.native as native
+    name = "timwatch.sidecar.proxy.native._cstream"
+    spec = importlib.util.spec_from_file_location(name, sys.argv[1])
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.modules[spec.name] = mod
-    package._cstream = mod
-    from timwatch.sidecar.proxy import native
+    native._cstream = native._built = native._use = mod
     assert native.cstream() is mod
     from tests.unit.test_cstream import _c_dechunk, _c_scan, _numba_dechunk, _numba_scan
     from tests.unit.test_deltascan import _frame, _stream
@@ -84,7 +84,7 @@ def test_the_c_reader_reads_hostile_bytes_inside_its_buffers(tmp_path: Path) -> 
             "-fPIC",
             "-Wno-psabi",
             f"-I{sysconfig.get_paths()['include']}",
-            str(ROOT / "sidecar/proxy/_cstream.c"),
+            str(ROOT / "sidecar/proxy/native/_cstream.c"),
             "-o",
             str(built),
         ],

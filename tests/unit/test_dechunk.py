@@ -1,4 +1,4 @@
-"""`proxy.dechunk.Dechunker`: the body of a chunked HTTP/1.1 message, however its bytes are cut
+"""`proxy.http.dechunk.Dechunker`: the body of a chunked HTTP/1.1 message, however its bytes are cut
 into reads, and an error on broken framing.
 
 The expected bodies are the chunks' data joined, built by hand here; every split position of
@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.readers import stream_reader  # noqa: F401
-from timwatch.sidecar.proxy import dechunk, native
-from timwatch.sidecar.proxy.dechunk import Dechunker, DechunkError
+from timwatch.sidecar.proxy import native
+from timwatch.sidecar.proxy.http import dechunk
+from timwatch.sidecar.proxy.http.dechunk import Dechunker, DechunkError
 
 # every test on the C reader and on the numba one
 pytestmark = pytest.mark.usefixtures("stream_reader")
@@ -107,7 +108,7 @@ def test_upstream_reads_a_chunked_answer_whole_and_keeps_the_connection() -> Non
     proxy passes non-200 answers back), trailers included, and reuses the connection after."""
     import asyncio
 
-    from timwatch.sidecar.proxy.upstream import Upstream
+    from timwatch.sidecar.proxy.http.client import Upstream
 
     wire = _wire(PARTS, b"%X;e=1", b"x-trailer: 1\r\n")
 

@@ -1,4 +1,4 @@
-"""`proxy.forward.DeferredCaptures`: captures of answers already sent run later, never lost.
+"""`proxy.http.forward.DeferredCaptures`: captures of answers already sent run later, never lost.
 
 They run in the order the answers went out: at `flush` (which the next upstream request and
 every reader of the capture store call), on the loop's timer when nothing flushes, or at once
@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from timwatch.sidecar.proxy.forward import DeferredCaptures, _run_now
+from timwatch.sidecar.proxy.http.forward import DeferredCaptures, _run_now
 
 
 def test_flush_runs_waiting_captures_in_order_once() -> None:
@@ -79,6 +79,6 @@ def test_a_capture_run_right_after_its_answer_logs_a_failure_and_returns(
     def broken() -> None:
         raise RuntimeError("a capture bug")
 
-    with caplog.at_level("ERROR", logger="timwatch.sidecar.proxy.forward"):
+    with caplog.at_level("ERROR", logger="timwatch.sidecar.proxy.http.forward"):
         asyncio.run(_run_now(broken))
     assert "capture failed" in caplog.text and "a capture bug" in caplog.text

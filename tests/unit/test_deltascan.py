@@ -1,4 +1,4 @@
-"""`proxy.deltascan`: an incremental stream's reads captured without searching each frame for
+"""`proxy.sglang.deltascan`: an incremental stream's reads captured without searching each frame for
 its keys give what the general scan (`scan.scan_frames` + orjson) gives on the same bytes,
 wherever the reads are cut; frames it must not read are left to that scan.
 
@@ -22,11 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.readers import stream_reader  # noqa: F401
-from timwatch.sidecar.proxy import relay
-from timwatch.sidecar.proxy.answers import Capturer
-from timwatch.sidecar.proxy.deltascan import scan_deltas
 from timwatch.sidecar.proxy.records import HeldRecord
-from timwatch.sidecar.proxy.sglang_wire import SampleState, plan_request
+from timwatch.sidecar.proxy.sglang import stream as relay
+from timwatch.sidecar.proxy.sglang.answers import Capturer
+from timwatch.sidecar.proxy.sglang.deltascan import scan_deltas
+from timwatch.sidecar.proxy.sglang.wire import SampleState, plan_request
 
 # every test on the C reader and on the numba one
 pytestmark = pytest.mark.usefixtures("stream_reader")

@@ -1,4 +1,4 @@
-"""The byte path (`proxy.fastwire`) against the object path (`proxy.sglang_wire`).
+"""The byte path (`proxy.sglang.fastwire`) against the object path (`proxy.sglang.wire`).
 
 Answers and stream chunks come from the SGLang stand-in (`tests/helpers/fake_sglang.py`, in
 process; real SGLang needs a GPU), written both as the stand-in writes them and as SGLang's
@@ -16,9 +16,9 @@ import orjson
 import pytest
 
 import tests.helpers.fake_sglang as fake
-from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore
 from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
-from timwatch.sidecar.proxy.sglang_wire import SampleState, dumps, plan_request
+from timwatch.sidecar.proxy.sglang.fastwire import FastSample, NotFast, finished, restore
+from timwatch.sidecar.proxy.sglang.wire import SampleState, dumps, plan_request
 
 TOPK = 5
 CLIENTS: dict[str, dict[str, Any]] = {

@@ -1,4 +1,5 @@
-"""The join of trainer reports with captured rollout records (`timwatch.sidecar.proxy.join.Joiner`).
+"""The join of trainer reports with captured rollout records
+(`timwatch.sidecar.proxy.join.joiner.Joiner`).
 
 Records are built by hand; the forwarded arrays are checked position by position and, through
 the real engine, for the TITO drift metric they must produce.
@@ -15,7 +16,7 @@ from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import accumulate
 from timwatch.monitor.core.row import derive_row
 from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.join import Joiner, JoinError
+from timwatch.sidecar.proxy.join.joiner import Joiner, JoinError
 from timwatch.sidecar.proxy.records import RolloutRecord
 
 

@@ -1,5 +1,5 @@
-"""The join across several proxies (`timwatch.sidecar.proxy.peers`): the take answer's codec, and
-a `Joiner` whose peers are other real `CaptureStore`s reached through `take_records` (the HTTP
+"""The join across several proxies (`timwatch.sidecar.proxy.join.peers`): the take answer's codec,
+and a `Joiner` whose peers are other real `CaptureStore`s reached through `take_records` (the HTTP
 path between real proxy processes is tests/stack/test_proxy_peers.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from tests.unit.test_join import Clock, Sink, record, sample
 from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.join import Joiner
-from timwatch.sidecar.proxy.peers import (
+from timwatch.sidecar.proxy.join.joiner import Joiner
+from timwatch.sidecar.proxy.join.peers import (
     PeerClient,
     decode_records,
     encode_records,

@@ -27,7 +27,7 @@ import pytest
 
 from tests.helpers.kernel_ir import REFOP, WORKERS
 from tests.helpers.procs import REPO
-from timwatch.sidecar.proxy import scan
+from timwatch.sidecar.proxy.jsonbytes import scan
 
 # Read in a fresh process whose code is compiled, not loaded from numba's cache: the one
 # ``scripts/test.sh`` warms the cache with (its file in ``TIMWATCH_KERNEL_IR``) when it compiled

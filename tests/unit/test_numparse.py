@@ -1,5 +1,5 @@
-"""Compiled log-prob parsing (`proxy.numparse`) against orjson, bit for bit, and the key search
-that skips a scanned list (`fastwire` holes).
+"""Compiled log-prob parsing (`proxy.jsonbytes.numbers`) against orjson, bit for bit, and the key
+search that skips a scanned list (`fastwire` holes).
 
 Every float orjson reads, `triples_f64` must read to the same bits, or refuse; it may refuse
 only what it documents (subnormals, > 19 significant digits, out-of-range exponents) and must
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from timwatch.sidecar.proxy import fastwire
-from timwatch.sidecar.proxy.fastwire import FastSample, value_span
-from timwatch.sidecar.proxy.numparse import POW5, triples_f64
+from timwatch.sidecar.proxy.jsonbytes.numbers import POW5, triples_f64
+from timwatch.sidecar.proxy.sglang import fastwire
+from timwatch.sidecar.proxy.sglang.fastwire import FastSample, value_span
 
 TINY = 2.2250738585072014e-308  # the smallest normal double
 
@@ -139,7 +139,7 @@ def test_answer_read_with_the_hole_equals_the_full_search(logps: list[float], pr
 def test_warm_up_compiles_every_scanner_of_the_answer_path() -> None:
     """In a fresh interpreter, so nothing else compiled them first."""
     code = (
-        "from timwatch.sidecar.proxy import scan, numparse\n"
+        "from timwatch.sidecar.proxy.jsonbytes import scan, numbers as numparse\n"
         "fns = (numparse.triples_f64, scan.scan_triples, scan.scan_rows, scan.scan_ints)\n"
         "assert not any(f.signatures for f in fns)\n"
         "numparse.warm_up()\n"

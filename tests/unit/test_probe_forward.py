@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import tests.helpers.fake_sglang as fake
 from timwatch.monitor.core.batch import Batch
-from timwatch.sidecar.proxy.probe import ProbeResult, parse_probe_answer
-from timwatch.sidecar.proxy.probe_forward import ProbeForwarder, pack
 from timwatch.sidecar.proxy.records import RolloutRecord
-from timwatch.sidecar.proxy.sglang_wire import WireError
+from timwatch.sidecar.proxy.sglang.probe import ProbeResult, parse_probe_answer
+from timwatch.sidecar.proxy.sglang.probe_forward import ProbeForwarder, pack
+from timwatch.sidecar.proxy.sglang.wire import WireError
 
 
 def _record(prompt: list[int], ids: list[int], versions: list[str]) -> RolloutRecord:

@@ -1,5 +1,5 @@
-"""Streams relayed by `proxy.relay.relay_stream`: the client gets the upstream's bytes, and the
-records equal the object path's, however the stream is cut into reads.
+"""Streams relayed by `proxy.sglang.stream.relay_stream`: the client gets the upstream's bytes, and
+the records equal the object path's, however the stream is cut into reads.
 
 Streams come from the SGLang stand-in (`tests/helpers/fake_sglang.py`, in process; real SGLang
 needs a GPU), cumulative and incremental, one sample and a batch of two (chunks carry
@@ -18,11 +18,11 @@ import orjson
 import pytest
 
 import tests.helpers.fake_sglang as fake
-from timwatch.sidecar.proxy import relay
-from timwatch.sidecar.proxy.answers import Capturer
 from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
-from timwatch.sidecar.proxy.relay import relay_stream
-from timwatch.sidecar.proxy.sglang_wire import SampleState, plan_request
+from timwatch.sidecar.proxy.sglang import stream as relay
+from timwatch.sidecar.proxy.sglang.answers import Capturer
+from timwatch.sidecar.proxy.sglang.stream import relay_stream
+from timwatch.sidecar.proxy.sglang.wire import SampleState, plan_request
 
 
 def _stream(req: dict[str, Any], incremental: bool) -> bytes:
@@ -132,7 +132,7 @@ async def _through_upstream(wire: bytes, cuts: list[int], plan: Any, cap: Captur
     """Relay ``wire`` (a chunked body) through `Upstream` and `relay_stream` once per cut: a
     loopback server writes it in two writes split there, a pause between. Returns the relayed
     bodies; all requests must share one keep-alive connection."""
-    from timwatch.sidecar.proxy.upstream import Upstream
+    from timwatch.sidecar.proxy.http.client import Upstream
 
     connections = 0
 
@@ -174,7 +174,7 @@ async def _through_upstream(wire: bytes, cuts: list[int], plan: Any, cap: Captur
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
 def test_chunked_upstream_relays_bytes_and_records_at_every_cut(incremental: bool) -> None:
-    """The upstream client's own de-chunking (`proxy.dechunk`) under the relay: reads split at
+    """The upstream client's own de-chunking (`proxy.http.dechunk`) under the relay: reads split at
     every byte position of a chunk-size line, of its CRLF and of the data's CRLF."""
     body = {
         "input_ids": [1, 2, 3],
@@ -211,7 +211,7 @@ def test_chunked_upstream_relays_bytes_and_records_at_every_cut(incremental: boo
 
 def test_broken_chunked_framing_is_an_upstream_error_and_drops_the_connection() -> None:
     from timwatch.monitor.core.errors import UpstreamError
-    from timwatch.sidecar.proxy.upstream import Upstream
+    from timwatch.sidecar.proxy.http.client import Upstream
 
     async def run() -> int:
         connections = 0

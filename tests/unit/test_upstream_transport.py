@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from timwatch.sidecar.proxy.upstream import _Conn
+from timwatch.sidecar.proxy.http.client import _Conn
 
 
 class _DuckTransport:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from timwatch.sidecar.proxy.records import version_runs
-from timwatch.sidecar.proxy.sglang_wire import versions_from_spans
+from timwatch.sidecar.proxy.sglang.wire import versions_from_spans
 
 _span = st.tuples(st.integers(0, 12), st.integers(0, 12), st.sampled_from(["a", "b", None])).map(
     lambda t: {"start": min(t[0], t[1]), "end": max(t[0], t[1]), "version": t[2]}

@@ -13,8 +13,8 @@ import math
 import pytest
 
 from timwatch.sidecar.proxy.records import topk_entropy_bounds
-from timwatch.sidecar.proxy.sglang_wire import WireError
-from timwatch.sidecar.proxy.vllm_wire import (
+from timwatch.sidecar.proxy.sglang.wire import WireError
+from timwatch.sidecar.proxy.vllm.wire import (
     records_from_chat,
     records_from_completion,
     records_from_openai,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from timwatch.monitor.service.routes import diagnosis, history, ingest, masks, ops, report
+from . import diagnosis, history, ingest, masks, ops, report
 
 __all__ = ["ROUTERS"]
 

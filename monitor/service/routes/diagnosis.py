@@ -6,11 +6,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
-from timwatch.monitor.diagnosis import diagnose_run
-from timwatch.monitor.service.deps import StoreDep, require_read
-from timwatch.monitor.service.diagnosis_docs import DIAGNOSIS_DESCRIPTION, DIAGNOSIS_RESPONSES
-from timwatch.monitor.service.responses import json_response
-from timwatch.monitor.service.routes.history import StepQuery, check_step_range, known_run
+from ...diagnosis import diagnose_run
+from ..deps import StoreDep, require_read
+from ..diagnosis_docs import DIAGNOSIS_DESCRIPTION, DIAGNOSIS_RESPONSES
+from ..responses import json_response
+from .history import StepQuery, check_step_range, known_run
 
 __all__ = ["router"]
 

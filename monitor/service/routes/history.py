@@ -10,12 +10,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import Response
 
-from timwatch.monitor.core.errors import ApiError
-from timwatch.monitor.core.runid import check_run_id
-from timwatch.monitor.service import openapi_examples as ex
-from timwatch.monitor.service.deps import StoreDep, require_read
-from timwatch.monitor.service.responses import json_response, metric_column, split_list
-from timwatch.monitor.store import METRIC_COLUMNS, Store
+from ...core.errors import ApiError
+from ...core.runid import check_run_id
+from ...store import METRIC_COLUMNS, Store
+from .. import openapi_examples as ex
+from ..deps import StoreDep, require_read
+from ..responses import json_response, metric_column, split_list
 
 __all__ = ["MAX_LAST", "STEP_MAX", "StepQuery", "check_step_range", "known_run", "router"]
 

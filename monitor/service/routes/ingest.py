@@ -14,11 +14,11 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from timwatch.monitor.core.errors import ApiError
-from timwatch.monitor.core.runid import check_run_id
-from timwatch.monitor.core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
-from timwatch.monitor.service import openapi_examples as ex
-from timwatch.monitor.service.deps import (
+from ...core.errors import ApiError
+from ...core.runid import check_run_id
+from ...core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
+from .. import openapi_examples as ex
+from ..deps import (
     RunsDep,
     ServingDep,
     SettingsDep,
@@ -26,15 +26,15 @@ from timwatch.monitor.service.deps import (
     read_body,
     require_write,
 )
-from timwatch.monitor.service.ingest import (
+from ..ingest import (
     TAP_DROPPED_HEADER,
     check_run,
     check_tags,
     ingest_batch,
     parse_tap_dropped,
 )
-from timwatch.monitor.service.params import policy_names
-from timwatch.monitor.service.responses import json_response
+from ..params import policy_names
+from ..responses import json_response
 
 __all__ = ["router"]
 

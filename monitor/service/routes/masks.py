@@ -10,19 +10,19 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from timwatch.monitor.core.batch import NonFinitePolicy
-from timwatch.monitor.core.masks import PolicyParams, keep_masks
-from timwatch.monitor.service import openapi_examples as ex
-from timwatch.monitor.service.deps import (
+from ...core.batch import NonFinitePolicy
+from ...core.masks import PolicyParams, keep_masks
+from .. import openapi_examples as ex
+from ..deps import (
     PolicyParamsDep,
     ServingDep,
     SettingsDep,
     read_body,
     require_write,
 )
-from timwatch.monitor.service.ingest import parse_batch
-from timwatch.monitor.service.params import policy_names
-from timwatch.monitor.service.responses import encode_masks, json_response
+from ..ingest import parse_batch
+from ..params import policy_names
+from ..responses import encode_masks, json_response
 
 __all__ = ["router"]
 

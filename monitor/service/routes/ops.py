@@ -11,17 +11,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
-from timwatch.monitor.service import openapi_examples as ex
-from timwatch.monitor.service.deps import (
+from .. import openapi_examples as ex
+from ..deps import (
     RunsDep,
     ServingDep,
     SettingsDep,
     StoreDep,
     require_read,
 )
-from timwatch.monitor.service.exporter import CONTENT_TYPE
-from timwatch.monitor.service.health import health_answer
-from timwatch.monitor.service.responses import json_response
+from ..exporter import CONTENT_TYPE
+from ..health import health_answer
+from ..responses import json_response
 
 __all__ = ["router"]
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 
-from timwatch.monitor.core.errors import ApiError
-from timwatch.monitor.core.runid import check_run_id
-from timwatch.monitor.report import build_report
-from timwatch.monitor.service import openapi_examples as ex
-from timwatch.monitor.service.deps import StoreDep, require_read
-from timwatch.monitor.service.routes.history import StepQuery, check_step_range
+from ...core.errors import ApiError
+from ...core.runid import check_run_id
+from ...report import build_report
+from .. import openapi_examples as ex
+from ..deps import StoreDep, require_read
+from .history import StepQuery, check_step_range
 
 __all__ = ["router"]
 

@@ -33,9 +33,9 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 
-from timwatch.sidecar.proxy.probe import ProbeResult
-from timwatch.sidecar.proxy.records import version_as_int
-from timwatch.sidecar.tap import Tap
+from ...tap import Tap
+from ..records import version_as_int
+from .probe import ProbeResult
 
 __all__ = ["PROBE_RUN_SUFFIX", "ProbeBatch", "ProbeForwarder", "install_probe_forward", "pack"]
 

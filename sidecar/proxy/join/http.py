@@ -1,13 +1,14 @@
 """Trainer-report endpoints on the SGLang proxy, and the forwarder from the join to the monitor.
 
-`install_join(app, monitor=URL)` adds to an app built by `timwatch.sidecar.proxy.sglang.create_app`:
+`install_join(app, monitor=URL)` adds to an app built by
+`timwatch.sidecar.proxy.sglang.app.create_app`:
 
-* ``POST /timwatch/v1/trainer_reports`` — a JSON trainer report (see `proxy.join`). Answers
+* ``POST /timwatch/v1/trainer_reports`` — a JSON trainer report (see `proxy.join.joiner`). Answers
   ``{"status": "forwarded"|"pending", "joined", ...}``; 422 with ``{"detail", "field"}`` for a
   malformed report (nothing is consumed from the capture store then).
 * ``GET /timwatch/v1/join`` — join counters, capture counters, each run's tap stats and, with
   peers, each peer's take counters (``peers``) and the records this proxy gave (``given``).
-* ``POST /timwatch/v1/peer/take`` — the peers' side of `proxy.peers` (always installed, so any
+* ``POST /timwatch/v1/peer/take`` — the peers' side of `proxy.join.peers` (always installed, so any
   proxy with a join can be another's peer).
 
 It wraps the app's lifespan to run a sweep thread (pending reports retried, old ones expired)
@@ -32,16 +33,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from timwatch.sidecar.proxy.forward import settle_captures
-from timwatch.sidecar.proxy.join import Joiner, JoinError
-from timwatch.sidecar.proxy.peers import (
+from ...tap import Tap
+from ..http.forward import settle_captures
+from .joiner import Joiner, JoinError
+from .peers import (
     TAKE_PATH,
     PeerClient,
     encode_records,
     parse_keys,
     take_records,
 )
-from timwatch.sidecar.tap import Tap
 
 __all__ = ["TapForwarder", "install_join", "REPORTS_PATH"]
 

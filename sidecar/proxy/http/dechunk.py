@@ -28,8 +28,8 @@ import re
 import numba as nb
 import numpy as np
 
-from timwatch.monitor.core.errors import WireError
-from timwatch.sidecar.proxy.native import cstream
+from ....monitor.core.errors import WireError
+from ..native import cstream
 
 __all__ = ["Dechunker", "DechunkError", "warm_up"]
 

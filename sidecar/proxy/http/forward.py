@@ -6,7 +6,7 @@ Invariants: hop-by-hop headers never cross the proxy in either direction; ``date
 ``server`` of the upstream are dropped (uvicorn writes its own); an upstream failure is a 502
 (504 on a timeout) with a JSON ``error.message`` naming the upstream; a non-200 answer is
 passed back with its status, headers and body unchanged. The proxy state is a protocol
-(`proxy.sglang.ProxyState` satisfies it) so this module imports neither proxy.
+(`proxy.sglang.app.ProxyState` satisfies it) so this module imports neither proxy.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.rawrelay import RawStreamResponse, StreamSink
-from timwatch.sidecar.proxy.upstream import Upstream, UpstreamError, UpstreamResponse
+from ..capture import CaptureStore
+from .client import Upstream, UpstreamError, UpstreamResponse
+from .rawrelay import RawStreamResponse, StreamSink
 
 __all__ = [
     "ALL_METHODS",
@@ -102,7 +102,7 @@ def settle_captures(state: ProxyState) -> None:
 
 
 class ProxyState(Protocol):
-    """What this module reads of a proxy's state (`proxy.sglang.ProxyState` has it all)."""
+    """What this module reads of a proxy's state (`proxy.sglang.app.ProxyState` has it all)."""
 
     upstream: str
     capture: CaptureStore
@@ -229,7 +229,7 @@ async def forward_planned(
     after they are written (by ``state.deferred`` when it has one). Failures and non-200
     answers count as ``upstream_errors``. With ``raw_capture`` (the proxy changed nothing in
     the request) a chunked stream may be relayed with the upstream's framing
-    (`proxy.rawrelay.RawStreamResponse`), its body fed to what ``raw_capture`` makes.
+    (`proxy.http.rawrelay.RawStreamResponse`), its body fed to what ``raw_capture`` makes.
     """
     query = request.url.query
     deferred = state.deferred

@@ -37,8 +37,8 @@ from typing import Any
 
 import orjson
 
-from timwatch.monitor.core.errors import WireError
-from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds, weight_spans
+from ....monitor.core.errors import WireError
+from ..records import RolloutRecord, topk_entropy_bounds, weight_spans
 
 __all__ = [
     "WireError",

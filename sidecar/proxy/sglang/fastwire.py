@@ -1,11 +1,11 @@
 """SGLang ``/generate`` answers read and restored on their bytes, without parsing them whole.
 
-`proxy.sglang_wire` parses every answer into Python objects; a 4,096-token answer is ~4,000
+`proxy.sglang.wire` parses every answer into Python objects; a 4,096-token answer is ~4,000
 small lists, and a cumulative stream repeats all of them in every chunk. This module works on the
 compact JSON SGLang writes instead:
 
 * Keys and the quote-free values after them (``output_token_logprobs``, the top-k rows,
-  ``prompt_token_ids``, ...) are found on the bytes by `proxy.keyspan`, which refuses
+  ``prompt_token_ids``, ...) are found on the bytes by `proxy.sglang.keyspan`, which refuses
   (`NotFast`) any value with a string in it; the caller then takes the object path, so this
   module never guesses.
 * Triples ``[logprob, token_id, null]`` become one flat JSON list of numbers (brackets and the
@@ -24,8 +24,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from timwatch.monitor.core.errors import NotFast
-from timwatch.sidecar.proxy.keyspan import (
+from ....monitor.core.errors import NotFast
+from ..jsonbytes.numbers import POW5, triples_f64
+from ..jsonbytes.scan import scan_ints, scan_rows, scan_triples
+from ..records import HeldRecord, topk_entropy_bounds_rows, version_runs
+from .keyspan import (
     Hole,
     _find,
     _int_value,
@@ -34,10 +37,7 @@ from timwatch.sidecar.proxy.keyspan import (
     stream_index,
     value_span,
 )
-from timwatch.sidecar.proxy.numparse import POW5, triples_f64
-from timwatch.sidecar.proxy.records import HeldRecord, topk_entropy_bounds_rows, version_runs
-from timwatch.sidecar.proxy.scan import scan_ints, scan_rows, scan_triples
-from timwatch.sidecar.proxy.sglang_wire import RequestPlan, WireError, finish_type
+from .wire import RequestPlan, WireError, finish_type
 
 __all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
 

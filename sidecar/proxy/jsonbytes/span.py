@@ -1,6 +1,6 @@
 """Compiled structural walks over JSON bytes: where each value starts and ends, nothing parsed.
 
-The vLLM proxy reads and edits vLLM's answers on their bytes (`proxy.vllm_edit`): it needs the
+The vLLM proxy reads and edits vLLM's answers on their bytes (`proxy.vllm.edit`): it needs the
 span of a member (``"logprobs": {...}``) to cut it or read it, not Python objects for every
 token. These functions follow JSON's grammar exactly for structure (strings with their escapes,
 nested objects and arrays) and only skip over scalars, so a span is always a whole value; a

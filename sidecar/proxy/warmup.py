@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from timwatch.monitor.core.jitguard import seal_after_warm_up
-from timwatch.sidecar.proxy import dechunk, deltascan, jsonspan, numparse, scan, vllm_edit
+from ...monitor.core.jitguard import seal_after_warm_up
+from .http import dechunk
+from .jsonbytes import numbers as numparse
+from .jsonbytes import scan
+from .jsonbytes import span as jsonspan
+from .sglang import deltascan
+from .vllm import edit as vllm_edit
 
 __all__ = ["warm_up"]
 

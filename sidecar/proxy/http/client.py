@@ -7,7 +7,7 @@ keep-alive connections on a stack (O(1) to take and return; the most recent, lik
 first), writes each request in one send, and parses the status line and headers with
 httptools. A chunked body (every stream) is not given to httptools, which calls back once per
 HTTP chunk (once per token in an incremental stream): its raw reads are de-chunked in one
-compiled pass each (`proxy.dechunk`), kept until the reader's turn, or, for a relay that asked
+compiled pass each (`proxy.http.dechunk`), kept until the reader's turn, or, for a relay that asked
 (`UpstreamResponse.push_to`), handed on in the read's own callback; other bodies go through
 httptools.
 A body is handed over as what arrived since the last turn, one piece, with backpressure
@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from timwatch.monitor.core.errors import UpstreamError
-from timwatch.sidecar.proxy.dechunk import Dechunker
-from timwatch.sidecar.proxy.upstream_response import UpstreamResponse
+from ....monitor.core.errors import UpstreamError
+from .dechunk import Dechunker
+from .response import UpstreamResponse
 
 __all__ = ["Upstream", "UpstreamResponse", "UpstreamError"]
 

@@ -1,9 +1,9 @@
 """Capturing ``/generate`` streams while relaying them to the client.
 
-Each stream chunk is first read on its bytes (`proxy.fastwire`); whatever that path refuses
+Each stream chunk is first read on its bytes (`proxy.sglang.fastwire`); whatever that path refuses
 (batch answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
-(`proxy.sglang_wire`, whole-JSON parse). Both give the client the same bytes. A sample stays
-on the path its first chunk took. Non-streamed answers: `proxy.answers`.
+(`proxy.sglang.wire`, whole-JSON parse). Both give the client the same bytes. A sample stays
+on the path its first chunk took. Non-streamed answers: `proxy.sglang.answers`.
 
 Streams are cut into ``data: ...\\n\\n`` frames as bytes arrive, searching only the bytes not
 searched yet, and every frame complete in one read is relayed in one write.
@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 import orjson
 
-from timwatch.sidecar.proxy.answers import Capturer
-from timwatch.sidecar.proxy.deltascan import scan_deltas
-from timwatch.sidecar.proxy.fastwire import (
+from ..jsonbytes.scan import KIND_DELTA, KIND_OTHER, scan_frames
+from .answers import Capturer
+from .deltascan import scan_deltas
+from .fastwire import (
     MAX_TRIPLE,
     MIN_TRIPLE,
     FastSample,
@@ -28,8 +29,7 @@ from timwatch.sidecar.proxy.fastwire import (
     restore,
     stream_index,
 )
-from timwatch.sidecar.proxy.scan import KIND_DELTA, KIND_OTHER, scan_frames
-from timwatch.sidecar.proxy.sglang_wire import (
+from .wire import (
     RequestPlan,
     SampleState,
     WireError,
@@ -230,7 +230,8 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
 
 def stream_capture(cap: Capturer, plan: RequestPlan) -> StreamReads:
     """What captures an unchanged request's stream from its body bytes, fed read by read and
-    closed at its end, when something else relays the bytes to the client (`proxy.rawrelay`)."""
+    closed at its end, when something else relays the bytes to the client
+    (`proxy.http.rawrelay`)."""
     return StreamReads(_Stream(cap, plan))
 
 

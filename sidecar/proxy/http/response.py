@@ -2,7 +2,7 @@
 then its body, read in turns (`UpstreamResponse.chunks`) or handed on read by read in the
 connection's own receive callback (`UpstreamResponse.push_to`, the raw relay).
 
-A chunked body's reads are de-chunked in one compiled pass each (`proxy.dechunk`); reading
+A chunked body's reads are de-chunked in one compiled pass each (`proxy.http.dechunk`); reading
 pauses while more than `HIGH_WATER` bytes wait for the client, and resumes when the reader
 takes them. The connection goes back to its pool on `UpstreamResponse.release` only when the
 answer was read to the end and the upstream allows keep-alive.
@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from timwatch.monitor.core.errors import UpstreamError
-from timwatch.sidecar.proxy.dechunk import Dechunker, DechunkError
+from ....monitor.core.errors import UpstreamError
+from .dechunk import Dechunker, DechunkError
 
 __all__ = ["HIGH_WATER", "Connection", "Pool", "UpstreamResponse"]
 

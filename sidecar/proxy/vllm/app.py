@@ -2,7 +2,7 @@
 
 Clients point at the proxy instead of vLLM. ``/v1/completions``, ``/v1/chat/completions`` and
 ``/inference/v1/generate`` are rewritten so vLLM also returns the sampled token's log-prob and
-the token ids (`proxy.vllm_edit.plan_request`); the answer is recorded and what the proxy added
+the token ids (`proxy.vllm.edit.plan_request`); the answer is recorded and what the proxy added
 is set back to the ``null`` vLLM writes for a field not asked for, so the client gets the bytes
 vLLM would have sent for its own request. Every other path (``/v1/models``, ``/health``,
 ``/update_weight_version``, ``/collective_rpc``, ...) is forwarded byte for byte, streamed both
@@ -10,12 +10,12 @@ ways; upstream errors pass back unchanged.
 
 Records carry the request's sampling parameters and the engine's log-prob mode
 (``--logprobs-mode``, vLLM's default ``raw_logprobs``); samples whose μ is not the sampling
-distribution are counted as a sampling-side mismatch (`proxy.vllm_capture`).
+distribution are counted as a sampling-side mismatch (`proxy.vllm.capture`).
 
 Debug endpoints as on the SGLang proxy: ``/timwatch/records`` (a -inf log-prob is null
 there), ``/timwatch/counters``,
 ``/timwatch/healthz``, plus ``/timwatch/metrics`` (Prometheus text: the counters).
-Trainer reports are installed on top by `proxy.join_http.install_join`.
+Trainer reports are installed on top by `proxy.join.http.install_join`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
-from timwatch.sidecar.proxy.compiled import warm_up
-from timwatch.sidecar.proxy.forward import (
+from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from ..http.forward import (
     ALL_METHODS,
     counters,
     forward_planned,
@@ -41,15 +40,16 @@ from timwatch.sidecar.proxy.forward import (
     relay,
     upstream_clients,
 )
-from timwatch.sidecar.proxy.sglang import ProxyState
-from timwatch.sidecar.proxy.sglang_wire import dumps, loads
-from timwatch.sidecar.proxy.vllm_capture import (
+from ..sglang.app import ProxyState
+from ..sglang.wire import dumps, loads
+from ..warmup import warm_up
+from .capture import (
     COUNTER_NAMES,
     VllmCapturer,
     answer_parts,
     relay_stream,
 )
-from timwatch.sidecar.proxy.vllm_edit import plan_request
+from .edit import plan_request
 
 __all__ = ["create_app", "LOGPROBS_MODES", "ENDPOINTS"]
 

@@ -22,7 +22,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import intrinsic
 
-from timwatch.sidecar.proxy.scan import byte_at, id_null_at, scan_ints, scan_rows, scan_triples
+from .scan import byte_at, id_null_at, scan_ints, scan_rows, scan_triples
 
 __all__ = ["triples_f64", "triples_into", "POW5", "Q_MIN", "Q_MAX", "warm_up"]
 

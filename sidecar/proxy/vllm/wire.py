@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds
-from timwatch.sidecar.proxy.sglang_wire import WireError, versions_from_spans
+from ..records import RolloutRecord, topk_entropy_bounds
+from ..sglang.wire import WireError, versions_from_spans
 
 __all__ = ["records_from_openai", "records_from_completion", "records_from_chat"]
 

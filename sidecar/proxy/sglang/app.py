@@ -2,7 +2,7 @@
 
 Clients (slime, verl's SGLang rollout, any HTTP caller) point at the proxy instead of SGLang.
 ``/generate`` is rewritten so SGLang also returns what the sidecar needs (log-probs, top-k,
-prompt ids; see `proxy.sglang_wire`), the answer is recorded, and what the proxy added is
+prompt ids; see `proxy.sglang.wire`), the answer is recorded, and what the proxy added is
 removed again so the client gets the keys and values SGLang would have sent it. Every other
 path is forwarded byte for byte, streamed both ways. Upstream errors pass back unchanged
 (status, headers, body). The proxy keeps no per-request state beyond the stream it is relaying.
@@ -10,10 +10,10 @@ path is forwarded byte for byte, streamed both ways. Upstream errors pass back u
 Read-only debug endpoints live under ``/timwatch/`` (SGLang has no such prefix):
 ``/timwatch/records`` (held records and counters), ``/timwatch/counters`` (the counters
 alone: captured, evicted and ``evicted_bytes`` by the byte bound, ``held_bytes``),
-``/timwatch/probes`` (recent probe results, prober counters and, with `proxy.probe_forward`,
+``/timwatch/probes`` (recent probe results, prober counters and, with `proxy.sglang.probe_forward`,
 the forwarder's), ``/timwatch/healthz``.
 Trainer reports and the forwarding of probes to the monitor are installed on top by
-`proxy.join_http.install_join` and `proxy.probe_forward.install_probe_forward`.
+`proxy.join.http.install_join` and `proxy.sglang.probe_forward.install_probe_forward`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from timwatch.sidecar.proxy.answers import Capturer, answer_parts
-from timwatch.sidecar.proxy.capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
-from timwatch.sidecar.proxy.compiled import warm_up
-from timwatch.sidecar.proxy.forward import (
+from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
+from ..http.client import Upstream
+from ..http.forward import (
     ALL_METHODS,
     DeferredCaptures,
     counters,
@@ -43,12 +42,13 @@ from timwatch.sidecar.proxy.forward import (
     settle_captures,
     upstream_clients,
 )
-from timwatch.sidecar.proxy.probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
-from timwatch.sidecar.proxy.rawrelay import ProxyApp
-from timwatch.sidecar.proxy.records import HeldRecord
-from timwatch.sidecar.proxy.relay import relay_stream, stream_capture
-from timwatch.sidecar.proxy.sglang_wire import dumps, loads, plan_request
-from timwatch.sidecar.proxy.upstream import Upstream
+from ..http.rawrelay import ProxyApp
+from ..records import HeldRecord
+from ..warmup import warm_up
+from .answers import Capturer, answer_parts
+from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
+from .stream import relay_stream, stream_capture
+from .wire import dumps, loads, plan_request
 
 __all__ = ["create_app", "ProxyState"]
 

@@ -1,8 +1,8 @@
 """Capturing non-streamed ``/generate`` answers: the client's bytes first, the capture after.
 
-An answer is first read on its bytes (`proxy.fastwire`); whatever that path refuses (batch
+An answer is first read on its bytes (`proxy.sglang.fastwire`); whatever that path refuses (batch
 answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
-(`proxy.sglang_wire`, whole-JSON parse). Both give the client the same bytes.
+(`proxy.sglang.wire`, whole-JSON parse). Both give the client the same bytes.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from timwatch.sidecar.proxy.fastwire import FastSample, NotFast, finished, restore
-from timwatch.sidecar.proxy.records import HeldRecord
-from timwatch.sidecar.proxy.sglang_wire import (
+from ..records import HeldRecord
+from .fastwire import FastSample, NotFast, finished, restore
+from .wire import (
     RequestPlan,
     SampleState,
     WireError,

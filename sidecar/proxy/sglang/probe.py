@@ -18,7 +18,7 @@ entropy, so the prefill side's entropy is the top-k lower bound (`topk_entropy_b
 
 Which samples are probed is decided by a hash of the rid, so a given rate probes the same
 samples on every sidecar replica. Finished results go to an optional `ProbeSink` (the forwarder
-to the monitor, `proxy.probe_forward`) and into a bounded deque for ``/timwatch/probes``.
+to the monitor, `proxy.sglang.probe_forward`) and into a bounded deque for ``/timwatch/probes``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from timwatch.sidecar.proxy.records import RolloutRecord, topk_entropy_bounds
-from timwatch.sidecar.proxy.sglang_wire import WireError, parse_logprob_triples
+from ..records import RolloutRecord, topk_entropy_bounds
+from .wire import WireError, parse_logprob_triples
 
 __all__ = [
     "DEFAULT_PROBE_TOPK",
@@ -143,7 +143,8 @@ def _prefill_entropy(rows: Any, start: int, total: int) -> tuple[float, ...] | N
 
 
 class ProbeSink(Protocol):
-    """Where finished probes go besides the debug deque (`timwatch.sidecar.proxy.probe_forward`)."""
+    """Where finished probes go besides the debug deque
+    (`timwatch.sidecar.proxy.sglang.probe_forward`)."""
 
     def add(self, result: ProbeResult) -> None: ...
 

@@ -5,14 +5,15 @@ A key is found by its bytes ``"name":``. Inside a JSON string every ``"`` is esc
 holding only numbers, ``null`` and brackets (the log-prob lists when no token text is asked
 for) ends at the first ``,"`` (next key) or ``}``; one with a string in it ends up unbalanced at
 that cut and is refused (`NotFast`), so the caller takes the object path and nothing is
-guessed. Used by `proxy.fastwire` (answers and stream chunks read and restored on their bytes).
+guessed. Used by `proxy.sglang.fastwire` (answers and stream chunks read and restored on their
+bytes).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from timwatch.monitor.core.errors import NotFast
+from ....monitor.core.errors import NotFast
 
 __all__ = ["Hole", "value_span", "finished", "stream_index"]
 

@@ -22,7 +22,7 @@ new report and by a background sweep); then what joined is forwarded and the res
 counter). Complete batches go to the monitor through `Tap` (bounded queue, retries,
 idempotent batch ids), one tap per run.
 
-With ``peers`` (N proxies behind one router, `proxy.peers`) what this proxy lacks is taken from
+With ``peers`` (N proxies behind one router, `proxy.join.peers`) what this proxy lacks is taken from
 the peers, outside the lock; the report is still forwarded as one batch by this proxy alone.
 """
 
@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.errors import JoinError
-from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.records import RolloutRecord
+from ....monitor.core.errors import JoinError
+from ..capture import CaptureStore
+from ..records import RolloutRecord
 
 __all__ = ["JoinError", "Joiner", "JoinedSample", "parse_report"]
 

@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from timwatch.sidecar.proxy.capture import CaptureStore
-from timwatch.sidecar.proxy.records import RolloutRecord
+from ..capture import CaptureStore
+from ..records import RolloutRecord
 
 __all__ = ["TAKE_PATH", "PeerClient", "decode_records", "encode_records", "take_records"]
 

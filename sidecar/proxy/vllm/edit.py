@@ -6,7 +6,7 @@ the token ids (``return_token_ids: true``). vLLM writes every field of its answe
 field the client did not ask for is present as ``null`` (non-streamed: ``model_dump()``;
 streamed: ``model_dump_json(exclude_unset=True)`` with the field passed explicitly). Restoring
 an answer therefore replaces the added members' values by ``null`` in place (`edit_answer`); all
-other bytes are the upstream's. The structure is walked by `proxy.jsonspan`, so a string that
+other bytes are the upstream's. The structure is walked by `proxy.jsonbytes.span`, so a string that
 happens to contain a key never matches.
 
 What is read per choice (object path: none; nothing here builds per-token Python objects):
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from timwatch.monitor.core.errors import NotFast, WireError
-from timwatch.sidecar.proxy.jsonspan import member_numbers, u8, walk
-from timwatch.sidecar.proxy.scan import scan_ints
+from ....monitor.core.errors import NotFast, WireError
+from ..jsonbytes.scan import scan_ints
+from ..jsonbytes.span import member_numbers, u8, walk
 
 __all__ = [
     "KINDS",

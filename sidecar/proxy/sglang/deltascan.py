@@ -33,10 +33,9 @@ import threading
 import numba as nb
 import numpy as np
 
-from timwatch.sidecar.proxy import numparse
-from timwatch.sidecar.proxy.native import cstream
-from timwatch.sidecar.proxy.numparse import POW5, triples_into
-from timwatch.sidecar.proxy.scan import (
+from ..jsonbytes import numbers as numparse
+from ..jsonbytes.numbers import POW5, triples_into
+from ..jsonbytes.scan import (
     _P_DATA,
     _P_FINISH,
     _P_INDEX,
@@ -48,6 +47,7 @@ from timwatch.sidecar.proxy.scan import (
     byte_at,
     scan_frames,
 )
+from ..native import cstream
 
 __all__ = ["scan_deltas", "scan_deltas_numba", "warm_up"]
 

@@ -32,7 +32,7 @@ from starlette.applications import Starlette
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from timwatch.sidecar.proxy.upstream import UpstreamResponse
+from .client import UpstreamResponse
 
 __all__ = ["ProxyApp", "RawStreamResponse", "StreamSink", "uvicorn_cycle"]
 

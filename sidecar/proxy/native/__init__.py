@@ -17,7 +17,7 @@ from types import ModuleType
 __all__ = ["built", "cstream", "use_native"]
 
 try:
-    from timwatch.sidecar.proxy import _cstream as _built  # type: ignore[attr-defined]
+    from . import _cstream as _built  # type: ignore[attr-defined]
 except ImportError:  # built without a compiler: the numba twins
     _built = None
 

@@ -1,4 +1,4 @@
-"""Capturing vLLM answers and streams while relaying them (`proxy.vllm_edit` does the bytes).
+"""Capturing vLLM answers and streams while relaying them (`proxy.vllm.edit` does the bytes).
 
 A non-streamed answer is edited and read in one structural walk; a stream is cut into
 ``data: ...\\n\\n`` frames as bytes arrive, each frame edited on its own, and every frame
@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from timwatch.monitor.core.errors import NotFast, WireError
-from timwatch.sidecar.proxy.records import HeldRecord, version_runs
-from timwatch.sidecar.proxy.vllm_edit import (
+from ....monitor.core.errors import NotFast, WireError
+from ..records import HeldRecord, version_runs
+from .edit import (
     ChoicePart,
     VllmPlan,
     edit_answer,

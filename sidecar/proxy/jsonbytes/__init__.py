@@ -1,0 +1,1 @@
+"""Compiled reads of JSON bytes shared by both proxies: spans, log-prob lists, numbers."""

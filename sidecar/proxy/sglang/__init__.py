@@ -1,0 +1,1 @@
+"""The SGLang proxy: its app, wire format, answer and stream capture, prefill probe."""
