@@ -1,12 +1,14 @@
 """The layers of the code, by folder, and the one direction imports may point.
 
-Every ``import``/``from … import`` of a ``timwatch`` module anywhere in the package (at module
-level, inside functions, and under ``TYPE_CHECKING`` alike) is an edge from the importing
-module's layer to the imported one's. An edge to a layer not listed as allowed, or a cycle
-among modules, fails the test. The self-test below proves the check bites: an added upward
-import, for example in ``monitor/core/batch.py``::
+The map is `tests.helpers.layers.ALLOWED` (CONTRIBUTING's layer table is generated from the
+same definition). Every ``import``/``from … import`` of a ``timwatch`` module anywhere in the
+package, absolute or relative (at module level, inside functions, and under ``TYPE_CHECKING``
+alike), is an edge from the importing module's layer to the imported one's. An edge to a layer
+not listed as allowed, or a cycle among modules, fails the test. The self-tests below prove the
+check bites: an added upward import in ``monitor/core/batch.py``, written either way::
 
     from timwatch.monitor.service.app import create_app
+    from ..service.app import create_app
 
 makes `find_violations` report ``timwatch.monitor.core.batch -> timwatch.monitor.service.app``.
 """
@@ -21,61 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import layers
+from tests.helpers.layers import ALLOWED
+
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {
     "monitor": "timwatch.monitor",
     "sidecar": "timwatch.sidecar",
     "dashboards": "timwatch.dashboards",
-}
-
-#: layer → the layers it may import (its own is always allowed)
-ALLOWED: dict[str, set[str]] = {
-    "timwatch.monitor.core": set(),
-    "timwatch.monitor.trainer": {"timwatch.monitor.core"},
-    "timwatch.monitor.store": {"timwatch.monitor.core"},
-    "timwatch.monitor.client": {"timwatch.monitor.core"},
-    "timwatch.monitor.diagnosis": {"timwatch.monitor.core", "timwatch.monitor.store"},
-    "timwatch.monitor.report": {
-        "timwatch.monitor.core",
-        "timwatch.monitor.store",
-        "timwatch.monitor.diagnosis",
-    },
-    "timwatch.monitor.service": {
-        "timwatch.monitor.core",
-        "timwatch.monitor.store",
-        "timwatch.monitor.diagnosis",
-        "timwatch.monitor.report",
-    },
-    "timwatch.dashboards": set(),
-    "timwatch.sidecar.proxy": {"timwatch.monitor.core", "timwatch.sidecar.tap"},
-    "timwatch.sidecar.tap": {"timwatch.monitor.core"},
-    "timwatch.sidecar.integrations": {
-        "timwatch.monitor.core",
-        "timwatch.monitor.trainer",
-        "timwatch.sidecar.tap",
-    },
-    "timwatch.sidecar.demo": {
-        "timwatch.monitor.core",
-        "timwatch.monitor.trainer",
-        "timwatch.monitor.store",
-        "timwatch.monitor.service",
-        "timwatch.sidecar.tap",
-    },
-    "timwatch.monitor.cli": {
-        "timwatch.monitor.core",
-        "timwatch.monitor.diagnosis",
-        "timwatch.monitor.client",
-        "timwatch.monitor.service",
-        "timwatch.monitor.store",
-        "timwatch.monitor.report",
-        "timwatch.dashboards",
-    },
-    "timwatch.sidecar.cli": {"timwatch.monitor.core", "timwatch.sidecar.proxy"},
-    # package façades: lazy re-exports of the layers below them
-    "timwatch.monitor": {"timwatch.monitor.*"},
-    "timwatch.sidecar": {"timwatch.monitor.core", "timwatch.sidecar.*"},
-    "timwatch": {"timwatch.*"},
-    "timwatch.cli": {"timwatch.*"},
 }
 
 
@@ -196,6 +151,55 @@ def test_the_check_bites() -> None:
     assert "timwatch.sidecar.tap.shipper -> timwatch.sidecar.demo.run" in find_violations(graph)
     loop = {"a.x": {"a.y"}, "a.y": {"a.x"}}
     assert find_cycles(loop) == [["a.x", "a.y", "a.x"]]
+
+
+def test_relative_imports_are_edges(tmp_path: Path) -> None:
+    """A relative import is resolved against the importing module (a package's ``__init__``
+    counts as the package itself) and one pointing up the layers fails the check."""
+    files = module_files()
+    graph = build_graph()
+    # written relatively in the package: ``from ..core.masks import TOKEN_POLICIES``
+    assert "timwatch.monitor.core.masks" in graph["timwatch.monitor.report.html"]
+    upward = tmp_path / "batch.py"
+    upward.write_text("def f():\n    from ..service.app import create_app\n")
+    edges = imports_of("timwatch.monitor.core.batch", upward, files)
+    assert edges == {"timwatch.monitor.service.app"}
+    graph["timwatch.monitor.core.batch"] = edges
+    assert find_violations(graph) == ["timwatch.monitor.core.batch -> timwatch.monitor.service.app"]
+    package = tmp_path / "__init__.py"
+    package.write_text("from . import shipper\nfrom ...monitor import service\n")
+    assert imports_of("timwatch.sidecar.tap", package, files) == {
+        "timwatch.sidecar.tap.shipper",
+        "timwatch.monitor.service",
+    }
+
+
+def test_layer_table_is_current() -> None:
+    """CONTRIBUTING's table, as CI and contributors check it: exit 0 on the committed tree."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.layers", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_layer_table_check_names_the_stale_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = tmp_path / "CONTRIBUTING.md"
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    row = next(line for line in text.splitlines() if "`timwatch.monitor.report`" in line)
+    doc.write_text(text.replace(row + "\n", ""), encoding="utf-8")
+    assert layers.main(["--check", "--file", str(doc)]) == 1
+    assert capsys.readouterr().err.startswith("stale: CONTRIBUTING.md")
+    assert layers.main(["--file", str(doc)]) == 0
+    assert doc.read_text(encoding="utf-8") == text
+    assert layers.main(["--check", "--file", str(doc)]) == 0
+    doc.write_text("no markers\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="expected one"):
+        layers.main(["--check", "--file", str(doc)])
 
 
 def test_no_module_outside_the_installed_name() -> None:
