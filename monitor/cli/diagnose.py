@@ -15,6 +15,7 @@ from rich.table import Table
 from ..client import DEFAULT_URL
 from ..core.errors import ConfigError
 from ..core.jsoncodec import dumps
+from ..core.numfmt import sig3
 from .history import JsonOpt, RunArg, TokenOpt, UrlOpt, ask
 
 __all__ = ["diagnose", "render_diagnosis"]
@@ -25,7 +26,10 @@ FIRES = 0.5
 
 
 def _num(v: Any) -> str:
-    return "-" if v is None else f"{v:.3g}"
+    """Steps exact, measured values by `sig3`, a missing one as a dash."""
+    if v is None:
+        return "-"
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else sig3(v)
 
 
 def render_diagnosis(res: dict[str, Any], console: Console) -> None:
@@ -39,7 +43,7 @@ def render_diagnosis(res: dict[str, Any], console: Console) -> None:
         mark = "[bold red]" if c["score"] >= FIRES else ""
         end = "[/bold red]" if mark else ""
         t.add_row(
-            str(i), f"{mark}{escape(c['cause'])}{end}", f"{c['score']:.2f}",
+            str(i), f"{mark}{escape(c['cause'])}{end}", sig3(c["score"]),
             escape(c["verdict"]), escape(c["action"]) if c["score"] >= FIRES else "-",
         )  # fmt: skip
     console.print(t)

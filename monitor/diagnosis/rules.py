@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..core.numfmt import pct3, sig3
 from . import thresholds as th
 from .buckets import detail_span, length_growth, merge_buckets
 from .findings import Evidence, Finding, NotChecked, ramp, ramp_log
@@ -20,17 +21,11 @@ __all__ = [
     "EngineGap",
     "decode_vs_prefill",
     "engine_gap",
-    "g",
     "localized",
     "precision",
     "probe_share",
     "staleness",
 ]
-
-
-def g(x: float | None) -> str:
-    """A number as verdicts print it."""
-    return "n/a" if x is None else f"{x:.3g}"
 
 
 @dataclass(frozen=True)
@@ -98,7 +93,7 @@ def localized(s: StepSeries, gap: EngineGap) -> tuple[float, str | None]:
     if growth is not None:
         rise = ramp_log(growth.per_doubling, th.LENGTH_RISE_LO, th.LENGTH_RISE_HI)
         if rise > out:
-            out, why = rise, f"it grows ×{growth.per_doubling:.3g} per doubling of length"
+            out, why = rise, f"it grows ×{sig3(growth.per_doubling)} per doubling of length"
     return out, why
 
 
@@ -133,15 +128,15 @@ def precision(s: StepSeries) -> Finding | NotChecked:
     score = 0.95 * level * (0.8 + 0.2 * corr_f) * (0.3 + 0.7 * share) * plausible
     score *= 1.0 - th.LOCALIZED_SHARE * where
     evidence = [gap.evidence]
-    parts = [f"engine-only KL {g(gap.value)} ({gap.evidence.metric})"]
+    parts = [f"engine-only KL {sig3(gap.value)} ({gap.evidence.metric})"]
     if stale.mean is not None:
-        parts.append(f"{share:.0%} of engine + staleness KL")
+        parts.append(f"{pct3(share)} of engine + staleness KL")
     if corr.mean is not None:
         evidence.append(Evidence(
             "entropy_delta_corr", (corr.first, corr.last), corr.mean, corr.trend,
             "Pearson(δ², H): rounding error grows with entropy",
         ))  # fmt: skip
-        parts.append(f"Pearson(δ², H) {corr.mean:.2f}")
+        parts.append(f"Pearson(δ², H) {sig3(corr.mean)}")
     fmt = None
     if noise.mean is not None:
         at = _log(noise.mean)
@@ -150,14 +145,14 @@ def precision(s: StepSeries) -> Finding | NotChecked:
         )
         stable = noise.trend is not None and 0.5 <= noise.trend <= 2.0
         note = (
-            f"σ̂² nearest the {fmt} level {g(ref)} measured on the demo engine"
-            if plausible == 1.0 else f"σ̂² {g(noise.mean / ref)}x the {fmt} level: not rounding"
+            f"σ̂² nearest the {fmt} level {sig3(ref)} measured on the demo engine"
+            if plausible == 1.0 else f"σ̂² {sig3(noise.mean / ref)}x the {fmt} level: not rounding"
         )  # fmt: skip
         evidence.append(Evidence(
             "noise_scale", (noise.first, noise.last), noise.mean, noise.trend,
             note + ("; stable" if stable else ""),
         ))  # fmt: skip
-        parts.append(f"σ̂² {g(noise.mean)} (nearest {fmt}'s {g(ref)})")
+        parts.append(f"σ̂² {sig3(noise.mean)} (nearest {fmt}'s {sig3(ref)})")
     if why is not None and where > 0:
         parts.append(f"but {why} (a more specific cause)")
     head = "engine precision/kernels" if score >= th.FIRES else "no dominant precision gap"
@@ -200,8 +195,8 @@ def staleness(s: StepSeries) -> Finding | NotChecked:
             "mean k3 of π − logp_old: the policy moved since the engine's weights",
         ))  # fmt: skip
         parts.append(
-            f"staleness_kl {g(st.mean)}"
-            + (f" = {ratio:.3g}x discrepancy_kl {g(disc.mean)}" if ratio is not None else "")
+            f"staleness_kl {sig3(st.mean)}"
+            + (f" = {sig3(ratio)}x discrepancy_kl {sig3(disc.mean)}" if ratio is not None else "")
         )
     if len(lags) >= 2 and lags[0].mismatch_kl > 0:
         rise = lags[-1].mismatch_kl / lags[0].mismatch_kl
@@ -209,19 +204,19 @@ def staleness(s: StepSeries) -> Finding | NotChecked:
         evidence.append(Evidence(
             "lag_buckets", detail_span(s), rise, None,
             f"k3 at lag {lags[-1].key} / k3 at lag {lags[0].key} "
-            f"({g(lags[-1].mismatch_kl)} / {g(lags[0].mismatch_kl)})",
+            f"({sig3(lags[-1].mismatch_kl)} / {sig3(lags[0].mismatch_kl)})",
         ))  # fmt: skip
-        parts.append(f"mismatch ×{rise:.3g} from lag {lags[0].key} to {lags[-1].key}")
+        parts.append(f"mismatch ×{sig3(rise)} from lag {lags[0].key} to {lags[-1].key}")
     if lag.mean is not None:
         evidence.append(Evidence("version_lag_mean", (lag.first, lag.last), lag.mean, lag.trend))
-        parts.append(f"mean lag {lag.mean:.3g}")
+        parts.append(f"mean lag {sig3(lag.mean)}")
     sw = summarize(s, "intra_switch_ratio")
     if sw.mean is not None and sw.mean > 0:
         evidence.append(Evidence(
             "intra_switch_ratio", (sw.first, sw.last), sw.mean, sw.trend,
             "sequences spanning weight versions (partial rollouts)",
         ))  # fmt: skip
-        parts.append(f"{sw.mean:.1%} of sequences span versions")
+        parts.append(f"{pct3(sw.mean)} of sequences span versions")
     score = max(from_kl, from_lag)
     head = "staleness (off-policy lag)" if score >= th.FIRES else "no dominant staleness"
     return Finding("staleness", score, f"{head}: " + ", ".join(parts), _STALENESS_ACTION, evidence)
@@ -267,5 +262,7 @@ def decode_vs_prefill(s: StepSeries) -> Finding | NotChecked:
         else "decode ≈ prefill: the gap is between the engine and the trainer"
         if share < th.PROBE_SHARE_LO else "the decode path holds part of the gap"
     )  # fmt: skip
-    verdict = f"{where}: probe KL {g(p.mean)} = {share:.0%} of the engine-only KL {g(gap.value)}"
+    verdict = (
+        f"{where}: probe KL {sig3(p.mean)} = {pct3(share)} of the engine-only KL {sig3(gap.value)}"
+    )
     return Finding("decode_vs_prefill", score, verdict, _DECODE_ACTION, evidence)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core.numfmt import pct3, sig3
 from . import thresholds as th
 from .buckets import detail_span, length_growth, worst_mu
 from .findings import Evidence, Finding, NotChecked, ramp, ramp_log
-from .rules import g
 from .series import StepSeries, summarize
 
 __all__ = ["entropy_collapse", "length", "teacher_collapse", "tokenization"]
@@ -37,17 +37,17 @@ def length(s: StepSeries) -> Finding | NotChecked:
     lo, hi = buckets[0], buckets[-1]
     evidence = [Evidence(
         "length_buckets", detail_span(s), per_doubling, None,
-        f"k3 per token ×{per_doubling:.3g} per doubling of length (token-weighted fit over "
-        f"{len(buckets)} buckets): {g(lo.mismatch_kl)} at 2^{lo.key} tokens, "
-        f"{g(hi.mismatch_kl)} at 2^{hi.key}",
+        f"k3 per token ×{sig3(per_doubling)} per doubling of length (token-weighted fit over "
+        f"{len(buckets)} buckets): {sig3(lo.mismatch_kl)} at 2^{lo.key} tokens, "
+        f"{sig3(hi.mismatch_kl)} at 2^{hi.key}",
     )]  # fmt: skip
     sl = summarize(s, "seq_log_ratio_abs_mean")
     if sl.mean is not None:
         evidence.append(Evidence("seq_log_ratio_abs_mean", (sl.first, sl.last), sl.mean, sl.trend))
     head = "mismatch grows with length" if score >= th.FIRES else "no length effect"
     verdict = (
-        f"{head}: k3 per token ×{per_doubling:.3g} per doubling of response length "
-        f"({g(lo.mismatch_kl)} at 2^{lo.key} tokens, {g(hi.mismatch_kl)} at 2^{hi.key})"
+        f"{head}: k3 per token ×{sig3(per_doubling)} per doubling of response length "
+        f"({sig3(lo.mismatch_kl)} at 2^{lo.key} tokens, {sig3(hi.mismatch_kl)} at 2^{hi.key})"
     )
     return Finding("length", score, verdict, _LENGTH_ACTION, evidence)
 
@@ -76,7 +76,7 @@ def tokenization(s: StepSeries) -> Finding | NotChecked:
     )]  # fmt: skip
     verdict = (
         f"token ids differ between engine and trainer on {n_bad} of {t.n} steps "
-        f"(mean share {g(t.mean)}, max {g(worst)}): π is computed on other tokens"
+        f"(mean share {sig3(t.mean)}, max {sig3(worst)}): π is computed on other tokens"
         if n_bad else f"token ids match on all {t.n} steps"
     )  # fmt: skip
     return Finding("tokenization", score, verdict, _TOKEN_ACTION, evidence)
@@ -105,29 +105,29 @@ def entropy_collapse(s: StepSeries) -> Finding | NotChecked:
     score = 0.9 * ramp(fall, th.ENTROPY_FALL_LO, th.ENTROPY_FALL_HI) * (0.6 + 0.4 * low)
     score *= rising * level
     evidence = [
-        Evidence("entropy_mean", (e.first, e.last), e.mean, e.trend, f"late/early {g(e.trend)}")
+        Evidence("entropy_mean", (e.first, e.last), e.mean, e.trend, f"late/early {sig3(e.trend)}")
     ]
-    parts = [f"entropy_mean late/early {g(e.trend)}"]
+    parts = [f"entropy_mean late/early {sig3(e.trend)}"]
     if noise.trend is not None:
         evidence.append(Evidence(
             "noise_scale", (noise.first, noise.last), noise.mean, noise.trend,
             "σ̂² = Σδ²/Σ(H+ε): mismatch per unit entropy",
         ))  # fmt: skip
-        parts.append(f"σ̂² late/early {g(noise.trend)}")
+        parts.append(f"σ̂² late/early {sig3(noise.trend)}")
     if mus:
         evidence.append(Evidence(
             "worst_tokens", detail_span(s), low, None,
-            f"share of {len(mus)} worst tokens sampled at μ < {th.LOW_MU}",
+            f"share of {len(mus)} worst tokens sampled at μ < {sig3(th.LOW_MU)}",
         ))  # fmt: skip
-        parts.append(f"{low:.0%} of the worst tokens at μ < {th.LOW_MU}")
+        parts.append(f"{pct3(low)} of the worst tokens at μ < {sig3(th.LOW_MU)}")
     es, da = summarize(s, "mask_ratio_estr"), summarize(s, "mask_ratio_delta_abs")
     if es.trend is not None and da.trend is not None and da.trend > 0:
         div = es.trend / da.trend
         evidence.append(Evidence(
             "mask_ratio_estr/mask_ratio_delta_abs", (es.first, es.last), div, None,
-            f"late/early of ESTR rejections {g(es.trend)} over |δ| rejections {g(da.trend)}",
+            f"late/early of ESTR rejections {sig3(es.trend)} over |δ| rejections {sig3(da.trend)}",
         ))  # fmt: skip
-        parts.append(f"ESTR vs |δ| mask trends ×{div:.3g}")
+        parts.append(f"ESTR vs |δ| mask trends ×{sig3(div)}")
     head = "entropy collapse drives it" if score >= th.FIRES else "no entropy-driven mismatch"
     return Finding("entropy_collapse", score, f"{head}: " + ", ".join(parts), _ENTROPY_ACTION,
                    evidence)  # fmt: skip
@@ -154,8 +154,8 @@ def teacher_collapse(s: StepSeries) -> Finding | NotChecked:
     score *= ramp(late, th.TEACHER_HARD_LO, th.TEACHER_HARD_HI)
     evidence = [Evidence(
         "teacher_hard_ratio", (t.first, t.last), t.mean, t.trend,
-        f"first third {g(early)}, last third {g(late)}: the soft share 1 − hard shrank "
-        f"×{g(shrink)}",
+        f"first third {sig3(early)}, last third {sig3(late)}: the soft share 1 − hard shrank "
+        f"×{sig3(shrink)}",
     )]  # fmt: skip
     soft = summarize(s, "teacher_soft_ratio")
     if soft.mean is not None:
@@ -163,7 +163,7 @@ def teacher_collapse(s: StepSeries) -> Finding | NotChecked:
                                  soft.trend))  # fmt: skip
     head = "teacher collapse" if score >= th.FIRES else "teacher holds"
     verdict = (
-        f"{head}: teacher_hard_ratio {g(early)} → {g(late)} (first → last third), the "
-        f"share of tokens with a soft teacher probability shrank ×{g(shrink)}"
+        f"{head}: teacher_hard_ratio {sig3(early)} → {sig3(late)} (first → last third), the "
+        f"share of tokens with a soft teacher probability shrank ×{sig3(shrink)}"
     )
     return Finding("teacher_collapse", score, verdict, _TEACHER_ACTION, evidence)

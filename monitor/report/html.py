@@ -8,12 +8,12 @@ texts) goes through `html.escape`; numbers are formatted here.
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from ..core.masks import TOKEN_POLICIES
+from ..core.numfmt import sig3
 from . import plots
 from .data import DETAIL_STEPS, MAX_POINTS, ReportData
 from .thresholds import MASK_POLICY_THRESHOLDS, SERIES_THRESHOLDS
@@ -44,6 +44,8 @@ def _e(value: Any) -> str:
 
 
 def _num(v: Any) -> str:
+    """A cell or inline number: integers (steps, counts) exact, floats by `sig3`, a missing
+    value as a dash; anything else escaped as text."""
     if v is None:
         return "–"
     if isinstance(v, bool):
@@ -51,8 +53,13 @@ def _num(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return "–" if not math.isfinite(v) else f"{v:.4g}"
+        return sig3(v)
     return _e(v)
+
+
+def _trend(v: Any) -> str:
+    """An evidence's trend (late/early, a float) or its label (``rising``); a dash for none."""
+    return _e(v) if isinstance(v, str) else _num(v)
 
 
 def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -83,7 +90,7 @@ def diagnosis_section(diagnosis: dict[str, Any] | None, note: str | None) -> str
             where = f"steps {_num(span[0])}–{_num(span[1])}" if len(span) == 2 else ""
             items.append(
                 f"<li><code>{_e(ev.get('metric', ''))}</code> {where}: {_num(ev.get('value'))}"
-                f" ({_e(ev.get('trend', ''))}) {_e(ev.get('detail', ''))}</li>"
+                f" ({_trend(ev.get('trend'))}) {_e(ev.get('detail', ''))}</li>"
             )
         verdict = str(c.get("verdict", ""))
         rows.append([
@@ -122,7 +129,8 @@ def _mask_lines(policies: list[str]) -> list[tuple[float, str]]:
         if value is not None:
             by_value.setdefault(value, []).append(p)
     return [
-        (v, f"TimwatchMaskRatioHigh: {', '.join(ps)} > {v:g}") for v, ps in sorted(by_value.items())
+        (v, f"TimwatchMaskRatioHigh: {', '.join(ps)} > {sig3(v)}")
+        for v, ps in sorted(by_value.items())
     ]
 
 

@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
+from ..core.numfmt import sig3
 from .figcache import cached
 
 __all__ = ["Curve", "buckets_png", "heatmap_png", "series_png"]
@@ -74,7 +75,7 @@ def series_png(
 
 
 def _edge_labels(edges: Sequence[float]) -> list[str]:
-    return [f"[{a:g}, {b:g})" for a, b in zip(edges, [*edges[1:], math.inf], strict=True)]
+    return [f"[{sig3(a)}, {sig3(b)})" for a, b in zip(edges, [*edges[1:], math.inf], strict=True)]
 
 
 @cached

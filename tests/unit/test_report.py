@@ -104,6 +104,25 @@ def test_diagnosis_section_renders_a_hand_made_diagnosis() -> None:
     assert "<b>bold</b>" not in page
 
 
+def test_diagnosis_numbers_are_shown_to_three_digits() -> None:
+    """Evidence values and trends come from the store as full floats; the page shows `sig3`."""
+    evidence = {
+        "metric": "mismatch_kl",
+        "steps": [3, 12345],
+        "value": 0.17254273745832444,
+        "trend": 1.0833333333333333,
+        "detail": "",
+    }
+    cause = dict(DIAGNOSIS["causes"][0], score=0.87654, evidence=[evidence])
+    page = diagnosis_section(dict(DIAGNOSIS, causes=[cause]), None)
+    assert "<code>mismatch_kl</code> steps 3–12345: 0.173 (1.08)" in page
+    assert '<td class="n">0.877</td>' in page
+    assert "0.1725" not in page and "1.083" not in page
+    missing = dict(evidence, value=None, trend=None)
+    page = diagnosis_section(dict(DIAGNOSIS, causes=[dict(cause, evidence=[missing])]), None)
+    assert "steps 3–12345: – (–)" in page
+
+
 def test_no_diagnosis_says_so() -> None:
     assert "diagnosis not available" in diagnosis_section(None, None)
     empty = dict(DIAGNOSIS, causes=[], not_checked=[])
