@@ -80,19 +80,21 @@ def shared_server(_shared_server_session: ServerProc) -> ServerProc:
 
 @pytest.fixture
 def app_factory(tmp_path: Path) -> Iterator[Callable[..., InProcessApp]]:
-    """In-process apps: ``app_factory(db=None, **settings)``, by default on a fresh SQLite file;
-    each one's lifespan ends (closing its store) when the test does."""
+    """In-process apps: ``app_factory(db=None, clock=None, **settings)``, by default on a fresh
+    SQLite file and the system clock (a `tests.helpers.clock.FakeClock` moves only when the
+    test advances it); each one's lifespan ends (closing its store) when the test does."""
     from tests.helpers.inproc import in_process
     from timwatch.monitor import Settings
 
     with ExitStack() as stack:
         made = 0
 
-        def make(db: str | None = None, **settings: Any) -> InProcessApp:
+        def make(db: str | None = None, clock: Any = None, **settings: Any) -> InProcessApp:
             nonlocal made
             db = db or f"sqlite:///{tmp_path / f'app-{made}.db'}"
             made += 1
-            return stack.enter_context(in_process(Settings(db_url=db, **settings)))
+            app = in_process(Settings(db_url=db, **settings), clock=clock)
+            return stack.enter_context(app)
 
         yield make
 

@@ -14,13 +14,13 @@ neither waits behind ingests blocked on the store.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from ..core.clock import SYSTEM_CLOCK, Clock
 from ..core.errors import ApiError
 from ..core.version import __version__
 from ..report.tokenizer import load_tokenizer
@@ -58,7 +58,7 @@ async def _store_down(request: Request, exc: StoreUnavailable) -> Response:
 def seed_registry(runs: RunRegistry, db: Store, replica_id: str) -> int:
     """Load the runs `replica_id` counted before this process (its stored totals, still live by
     the TTL and finish grace) so its counters continue; returns how many."""
-    rows = db.replica_seed(replica_id, time.time() - runs.ttl)
+    rows = db.replica_seed(replica_id, runs.clock.time() - runs.ttl)
     n = sum(
         runs.seed(r.run, (r.totals, r.tap_dropped), r.row, r.step, r.updated_at, r.finished_at)
         for r in rows
@@ -67,13 +67,16 @@ def seed_registry(runs: RunRegistry, db: Store, replica_id: str) -> int:
     return n
 
 
-def create_app(settings: Settings, *, store: Store | None = None) -> FastAPI:
+def create_app(
+    settings: Settings, *, store: Store | None = None, clock: Clock = SYSTEM_CLOCK
+) -> FastAPI:
     """The ASGI app. Opens (and migrates) the store unless one is given; closes it on
     shutdown either way. The store pinger runs while the lifespan does. A ``tokenizer`` file
-    that cannot be read fails here, before the store opens (`ConfigError`)."""
+    that cannot be read fails here, before the store opens (`ConfigError`). The run registry's
+    TTL and finish grace run on ``clock``."""
     token_text = load_tokenizer(settings.tokenizer) if settings.tokenizer else None
     db = store if store is not None else Store(settings.db_url)
-    runs = RunRegistry(ttl=settings.run_ttl, finish_grace=settings.finish_grace)
+    runs = RunRegistry(ttl=settings.run_ttl, finish_grace=settings.finish_grace, clock=clock)
     if settings.replica_id is not None:
         seed_registry(runs, db, settings.replica_id)
     serving = Serving.build(settings, db, runs)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..core.accumulator import Accumulator
 
+from ..core.clock import SYSTEM_CLOCK, Clock
 from .settings import DEFAULT_FINISH_GRACE, DEFAULT_RUN_TTL
 
 __all__ = [
@@ -48,18 +48,18 @@ class RunState:
     acc: Accumulator  # every accepted batch since this process started (or the replica's totals)
     row: dict[str, Any]  # the step row answered for the most recent batch (gauges)
     step: int
-    last_seen: float  # time.monotonic() of the last accepted batch (TTL)
+    last_seen: float  # the registry clock's monotonic time of the last accepted batch (TTL)
     last_batch_ts: float  # wall clock of the last accepted batch
     tap_dropped: int = 0  # batches the run's taps reported dropping (Timwatch-Tap-Dropped)
     tap_outside: int = 0  # of which reported at a finish, not with a batch (never stored)
-    finished_m: float | None = None  # time.monotonic() of finish; None while running
+    finished_m: float | None = None  # monotonic time of finish; None while running
     version: int = 0  # registry-wide counter value of the last change (render cache key)
 
 
 @dataclass
 class RunRegistry:
     """Thread-safe map run → RunState plus rejection counters; idle runs expire after ``ttl``,
-    finished ones ``finish_grace`` after their finish.
+    finished ones ``finish_grace`` after their finish, both by ``clock``.
 
     Every change to a run's state gives it a fresh ``version`` from one registry-wide counter,
     so a (run, version) pair names one exact state even across eviction and re-creation.
@@ -67,6 +67,7 @@ class RunRegistry:
 
     ttl: float = DEFAULT_RUN_TTL
     finish_grace: float = DEFAULT_FINISH_GRACE
+    clock: Clock = SYSTEM_CLOCK
     _runs: dict[str, RunState] = field(default_factory=dict)
     _rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -90,7 +91,7 @@ class RunRegistry:
         observed first: its totals include this batch). The gauges follow the highest step
         seen, so a late batch of an older step does not move ``timwatch_step`` backwards.
         """
-        now_m, now_w = time.monotonic(), time.time()
+        now_m, now_w = self.clock.monotonic(), self.clock.time()
         with self._lock:
             self._clock += 1
             cur = self._runs.get(run)
@@ -124,7 +125,7 @@ class RunRegistry:
         its highest step, the wall time of its last batch and of the finish, if any), aged so
         the TTL and the finish grace run from those times; False if already expired (nothing
         loaded) or already live."""
-        now_m, now_w = time.monotonic(), time.time()
+        now_m, now_w = self.clock.monotonic(), self.clock.time()
         last_m = now_m - max(0.0, now_w - last_batch_ts)
         fin_m = None if finished_at is None else now_m - max(0.0, now_w - finished_at)
         acc, tap = totals
@@ -140,7 +141,7 @@ class RunRegistry:
     def finish(self, run: str, now: float | None = None) -> bool:
         """Mark a live run finished (it leaves after ``finish_grace``); False if not live.
         Finishing again keeps the first time, so the grace is not extended."""
-        now = time.monotonic() if now is None else now
+        now = self.clock.monotonic() if now is None else now
         with self._lock:
             cur = self._runs.get(run)
             if cur is None:
@@ -164,7 +165,7 @@ class RunRegistry:
             cur = self._runs.get(run)
             if cur is None or cur.finished_m is not None or cur.last_batch_ts > finished_at:
                 return False
-            cur.finished_m = time.monotonic() - max(0.0, time.time() - finished_at)
+            cur.finished_m = self.clock.monotonic() - max(0.0, self.clock.time() - finished_at)
             self._clock += 1
             cur.version = self._clock
             return True
@@ -200,7 +201,7 @@ class RunRegistry:
     def evict(self, now: float | None = None) -> list[str]:
         """Drop runs idle longer than the TTL and finished runs past their grace; returns
         their ids."""
-        now = time.monotonic() if now is None else now
+        now = self.clock.monotonic() if now is None else now
         with self._lock:
             gone = [r for r, s in self._runs.items() if self._expired(s, now)]
             for r in gone:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from sqlalchemy.exc import OperationalError
 
+from ..core.clock import SYSTEM_CLOCK, Clock
 from ..core.errors import StoreUnavailable
 
 __all__ = ["WRITE_LOCK_TIMEOUT_S", "WRITE_QUEUE_CAP_S", "WriteHealth", "WriterLock"]
@@ -35,12 +36,17 @@ class WriterLock:
     a busy one. A queued writer gives up (`StoreUnavailable`) when the holder has held the lock
     for `stuck` seconds since the writer came, when a holder's transaction failed on the
     database (locked, full, read-only) while it waited or less than `stuck` seconds before it
-    came, or after `cap` seconds in all. Writers
+    came, or after `cap` seconds in all, all timed by ``clock``. Writers
     queued behind a healthy store (holders change every few milliseconds) wait their turn;
     writers behind a locked file fail together as soon as the first of them does."""
 
-    def __init__(self, stuck: float = WRITE_LOCK_TIMEOUT_S, cap: float = WRITE_QUEUE_CAP_S) -> None:
-        self.stuck, self.cap = stuck, cap
+    def __init__(
+        self,
+        stuck: float = WRITE_LOCK_TIMEOUT_S,
+        cap: float = WRITE_QUEUE_CAP_S,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.stuck, self.cap, self._clock = stuck, cap, clock
         self._lock = threading.Lock()
         self._since = 0.0  # monotonic time the current holder took the lock
         self._failed = 0.0  # monotonic time a holder's transaction last failed on the database
@@ -48,14 +54,14 @@ class WriterLock:
 
     @contextmanager
     def hold(self) -> Iterator[None]:
-        start = time.monotonic()
+        start = self._clock.monotonic()
         # a write that failed on the database within the last `stuck` seconds counts as one
         # this writer queued behind: it would wait the same busy timeout for the same answer
         behind = start - self.stuck
         if self._failed > behind:
             raise self._behind_failure()
         while not self._lock.acquire(timeout=min(0.05, self.stuck)):
-            now = time.monotonic()
+            now = self._clock.monotonic()
             if self._failed > behind:
                 raise self._behind_failure()
             # a holder that took the lock before this writer came counts from its arrival
@@ -66,13 +72,13 @@ class WriterLock:
         if self._failed > behind:  # the lock came free because the write ahead of this failed
             self._lock.release()
             raise self._behind_failure()
-        self._since = time.monotonic()
+        self._since = self._clock.monotonic()
         try:
             yield
         except OperationalError as e:
             lines = str(e.orig or e).strip().splitlines()
             self._why = lines[0][:200] if lines else type(e).__name__
-            self._failed = time.monotonic()
+            self._failed = self._clock.monotonic()
             raise
         finally:
             self._lock.release()

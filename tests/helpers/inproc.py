@@ -18,6 +18,7 @@ import httpx
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from timwatch.monitor import Settings, Store, create_app
+from timwatch.monitor.core.clock import SYSTEM_CLOCK, Clock
 
 __all__ = ["BASE_URL", "InProcessApp", "in_process"]
 
@@ -96,10 +97,12 @@ class InProcessApp:
 
 
 @contextmanager
-def in_process(settings: Settings, *, store: Store | None = None) -> Iterator[InProcessApp]:
-    """``create_app(settings, store=store or Store(settings.db_url))``, lifespan running until
-    the block exits (which closes the store)."""
+def in_process(
+    settings: Settings, *, store: Store | None = None, clock: Clock | None = None
+) -> Iterator[InProcessApp]:
+    """``create_app(settings, store=store or Store(settings.db_url), clock=clock)`` (the system
+    clock when None), lifespan running until the block exits (which closes the store)."""
     store = store if store is not None else Store(settings.db_url)
-    app = create_app(settings, store=store)
+    app = create_app(settings, store=store, clock=clock or SYSTEM_CLOCK)
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(_lifespan(app)):
         yield InProcessApp(portal, app, settings, store)

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.clock import FakeClock
+from tests.helpers.inproc import InProcessApp
 from tests.helpers.procs import REPO, SHARED_READ_TOKEN, SHARED_TOKEN, ServerProc
 from tests.helpers.wire import as_batch, counters, fresh_run, post, raw_batch
 from timwatch.monitor.client import TimwatchClient
@@ -83,24 +85,22 @@ def test_unknown_runs_are_404_and_count_no_rejected_batch(server: ServerProc) ->
     assert after["timwatch_run_finished{run=known}"] == 0
 
 
-def _until(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, f"{what} within {limit} s"
-        time.sleep(0.1)
-
-
-def test_a_finished_run_leaves_metrics_after_the_grace(server_factory: Factory) -> None:
-    srv = server_factory(args=["--finish-grace", "0.5"])
-    with srv.client() as c:
+def test_a_finished_run_leaves_metrics_after_the_grace(
+    app_factory: Callable[..., InProcessApp],
+) -> None:
+    clock = FakeClock()
+    with app_factory(finish_grace=300.0, clock=clock).client() as c:
         for run in ("done", "open"):
             assert post(c, run, raw_batch(3, step=1, batch_id="a")).status_code == 200
         assert c.post("/v1/runs/done/finish").status_code == 200
-        _until(lambda: "timwatch_step{run=done}" not in exposition(c), "done leaves /metrics")
+        clock.advance(300.0)  # the grace exactly: still exported, as finished
+        within = exposition(c)
+        clock.advance(0.5)
         gone = exposition(c)
         again = c.post("/v1/runs/done/finish")  # still known to the store: idempotent
         assert post(c, "done", raw_batch(4, step=2, batch_id="b")).status_code == 200
         back = exposition(c)
+    assert within["timwatch_run_finished{run=done}"] == 1
     assert gone["timwatch_step{run=open}"] == 1 and gone["timwatch_run_finished{run=open}"] == 0
     assert not any("run=done" in k for k in gone)
     assert again.status_code == 200 and again.json()["already_finished"] is True

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.batches import RawBatch, random_batch
+from tests.helpers.clock import FakeClock
 from tests.helpers.inproc import InProcessApp
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import accumulate
@@ -127,11 +128,14 @@ def test_real_exposition_is_promtool_clean_and_exact(app: InProcessApp) -> None:
 
 
 def test_idle_runs_leave_the_exposition(app_factory: Callable[..., InProcessApp]) -> None:
-    with app_factory(run_ttl=1.0).client() as c:
+    clock = FakeClock()
+    with app_factory(run_ttl=60.0, clock=clock).client() as c:
         raw = raw_batch(7, step=1)
         assert c.post("/v1/runs/ttl/batches", content=dumps(raw.to_json_obj())).status_code == 200
         assert 'run="ttl"' in c.get("/metrics").text
-        time.sleep(2.5)
+        clock.advance(60.0)  # idle for the TTL exactly: still exported
+        assert 'run="ttl"' in c.get("/metrics").text
+        clock.advance(0.5)
         text = c.get("/metrics").text
         history = c.get("/v1/runs/ttl/metrics", params={"names": "tokens"}).json()
     assert 'run="ttl"' not in text

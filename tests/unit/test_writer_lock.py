@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy.exc import OperationalError
 
+from tests.helpers.clock import FakeClock
 from timwatch.monitor.core.errors import StoreUnavailable
 from timwatch.monitor.store.health import WriteHealth, WriterLock
 
@@ -96,14 +97,14 @@ def test_health_records_failures_until_a_success() -> None:
 def test_a_writer_right_after_a_failed_write_fails_fast_then_the_store_is_tried_again() -> None:
     """Within `stuck` seconds of a database failure a new writer answers at once with that
     failure (it would wait the same busy timeout for the same answer); later ones try again."""
-    import time
-
-    lock = WriterLock(stuck=0.3, cap=60.0)
+    clock = FakeClock()
+    lock = WriterLock(stuck=0.3, cap=60.0, clock=clock)
     with pytest.raises(OperationalError), lock.hold():
         raise OperationalError("INSERT", {}, Exception("database is locked"))
+    clock.advance(0.29)
     with pytest.raises(StoreUnavailable, match="database is locked"), lock.hold():
         pytest.fail("the store was tried although a write failed just before")
-    time.sleep(0.35)
+    clock.advance(0.02)
     tried = []
     with lock.hold():
         tried.append(True)
