@@ -12,8 +12,10 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from .jitcache import njit
 
 __all__ = [
     "bits_f64",

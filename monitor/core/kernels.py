@@ -30,7 +30,6 @@ Exact alternatives replace transcendentals where they exist: exp(δ) is a series
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from .fastmath import (
     exp,
@@ -40,6 +39,7 @@ from .fastmath import (
     k3_rm1_r,
     order_key,
 )
+from .jitcache import njit
 from .kernels_seq import VACC, start_segments
 from .kernels_walk import (
     LANES,

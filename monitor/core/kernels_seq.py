@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from .fastmath import (
     LOG_P_HI,
@@ -24,6 +23,7 @@ from .fastmath import (
     from_order_key,
     order_key,
 )
+from .jitcache import njit
 from .layout import C, F, M
 
 __all__ = [

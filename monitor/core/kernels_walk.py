@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 from .fastmath import LOG_P_HI, LOG_P_LO, log
+from .jitcache import njit
 from .kernels_seq import (
     kpop_maybe,
     kpop_threshold,
