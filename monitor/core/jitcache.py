@@ -69,7 +69,7 @@ def source_key(path: str) -> str:
     return h.hexdigest()
 
 
-class SourceKeyedLocator(caching._CacheLocator):  # type: ignore[misc]
+class SourceKeyedLocator(caching._CacheLocator):
     """numba's own locator for the function (same cache path and file names), with
     `source_key` as the stamp that decides whether a cached index is fresh."""
 
