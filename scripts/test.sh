@@ -3,22 +3,37 @@
 # postgresql, docker-compose, chromium; a virtualenv with timwatch[test]; schemathesis in .venv-fuzz),
 # starts a throw-away PostgreSQL on 127.0.0.1 and runs the whole suite. Extra arguments go to
 # pytest (e.g. `scripts/test.sh -k engine`).
+#
+#   scripts/test.sh --quick [pytest args]   the inner loop: linters, then the unit and service
+#                                           tiers only (no stack, no vLLM engine tier), installing
+#                                           only what those need (promtool, PostgreSQL, a compiler)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # where the run's time goes, for CI's 30-minute budget: seconds since the start, on stderr
 phase() { echo "[scripts/test.sh] ${SECONDS} s: $*" >&2; }
 
+QUICK=0
+if [ "${1:-}" = "--quick" ]; then
+  QUICK=1
+  shift
+fi
+
 need=()
+# promtool: tests/unit/test_exporter.py and the proxies' metrics in tests/service
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 || need+=(prometheus-alertmanager)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
-command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
-  || need+=(docker-compose)  # only its offline `config` check of deploy/docker-compose.yml
-# headless, for tests/stack/test_report_browser.py (the incident report in a real browser)
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
-# the scale-out stack test (tests/stack/test_scaleout.py): load balancer and remote-write receiver
-command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || need+=(haproxy)
-command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
+if [ "$QUICK" = 0 ]; then
+  command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 \
+    || need+=(prometheus-alertmanager)
+  command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
+    || need+=(docker-compose)  # only its offline `config` check of deploy/docker-compose.yml
+  # headless, for tests/stack/test_report_browser.py (the incident report in a real browser)
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  # the scale-out stack test (tests/stack/test_scaleout.py): load balancer and remote-write
+  # receiver
+  command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || need+=(haproxy)
+  command -v victoria-metrics >/dev/null 2>&1 || need+=(victoria-metrics)
+fi
 # the stream reader's C code (sidecar/proxy/native/_cstream.c), built by the install below: a compiler
 # and Python's headers (without them the install falls back to numba; here that would fail)
 command -v gcc >/dev/null 2>&1 || need+=(gcc)
@@ -50,20 +65,26 @@ export TIMWATCH_KERNEL_IR
 trap 'rm -f "$TIMWATCH_KERNEL_IR"' EXIT
 .venv/bin/python -m tests.helpers.kernel_ir --warm-up "$TIMWATCH_KERNEL_IR" &
 warming=$!
-# schemathesis in its own cached venv: grafana-client's niquests pulls urllib3-future, which
-# replaces urllib3 where it is installed and breaks schemathesis's requests transport
-SCHEMATHESIS_PIN="schemathesis==4.32.5"
-if [ ! -x .venv-fuzz/bin/st ] || ! grep -qx "$SCHEMATHESIS_PIN" .venv-fuzz/pinned 2>/dev/null; then
-  rm -rf .venv-fuzz && "$PY" -m venv .venv-fuzz
-  .venv-fuzz/bin/python -m pip install -q "$SCHEMATHESIS_PIN"
-  echo "$SCHEMATHESIS_PIN" > .venv-fuzz/pinned
+if [ "$QUICK" = 0 ]; then
+  # schemathesis in its own cached venv (tests/stack/test_openapi_fuzz.py): grafana-client's
+  # niquests pulls urllib3-future, which replaces urllib3 where it is installed and breaks
+  # schemathesis's requests transport
+  SCHEMATHESIS_PIN="schemathesis==4.32.5"
+  if [ ! -x .venv-fuzz/bin/st ] || ! grep -qx "$SCHEMATHESIS_PIN" .venv-fuzz/pinned 2>/dev/null
+  then
+    rm -rf .venv-fuzz && "$PY" -m venv .venv-fuzz
+    .venv-fuzz/bin/python -m pip install -q "$SCHEMATHESIS_PIN"
+    echo "$SCHEMATHESIS_PIN" > .venv-fuzz/pinned
+  fi
+  export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
 fi
-export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
-# the real-engine tier's vLLM (CPU build) in its own venv outside the clone, reused while its pin
-# file matches (~2 min and 3.4 GB when it is not cached)
 phase "packages and .venv installed"
-TIMWATCH_VLLM_PYTHON="$(bash .ci/vllm-venv.sh | tail -n1)"
-export TIMWATCH_VLLM_PYTHON TIMWATCH_REQUIRE_VLLM=1
+if [ "$QUICK" = 0 ]; then
+  # the real-engine tier's vLLM (CPU build) in its own venv outside the clone, reused while its
+  # pin file matches (~2 min and 3.4 GB when it is not cached)
+  TIMWATCH_VLLM_PYTHON="$(bash .ci/vllm-venv.sh | tail -n1)"
+  export TIMWATCH_VLLM_PYTHON TIMWATCH_REQUIRE_VLLM=1
+fi
 
 if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
   # a fresh cluster in a new directory for this run, stopped and removed when the script exits
@@ -89,6 +110,12 @@ wait "$warming"
 phase "kernels compiled"
 # two workers (a test file stays on one worker, so its module fixtures are shared): most tests
 # wait on subprocesses, Prometheus or PostgreSQL, and one worker leaves a core idle
+if [ "$QUICK" = 1 ]; then
+  .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" \
+    --dist loadfile -m "not vllm" tests/unit tests/service "$@"
+  phase "quick tier (unit + service) done"
+  exit 0
+fi
 .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" --dist loadfile \
   -m "not vllm" "$@"
 phase "main pass done"
