@@ -125,7 +125,10 @@ class Load:
         victim.kill9()  # mid-load: the other producers keep posting
         with self._lock:
             self.killed = True
-        time.sleep(0.5)
+        # the restart waits until the survivor has answered new batches meanwhile (bounded)
+        deadline = time.monotonic() + 60
+        while sum(self.after_kill) < THREADS and time.monotonic() < deadline:
+            time.sleep(0.01)
         victim.start()  # same --replica-id
         self.restarted.set()
         for th in threads:

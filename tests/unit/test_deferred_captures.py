@@ -31,10 +31,10 @@ def test_flush_runs_waiting_captures_in_order_once() -> None:
 def test_the_timer_runs_them_when_nothing_flushes() -> None:
     async def main() -> list[int]:
         ran: list[int] = []
+        done = asyncio.Event()
         deferred = DeferredCaptures(delay_s=0.001)
-        deferred.add(lambda: ran.append(1))
-        # a later timer on the same loop: the capture's, due first, has run by then
-        await asyncio.sleep(0.05)
+        deferred.add(lambda: (ran.append(1), done.set()))
+        await asyncio.wait_for(done.wait(), 30)  # nothing flushes: only the timer can run it
         assert len(deferred) == 0
         return ran
 
