@@ -7,7 +7,6 @@ of process listings; command-line flags override them.
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -63,16 +62,6 @@ class Settings:
     #: ``--replica-id``: counters are kept in the store under this id and continue across
     #: restarts (None: they restart at 0 with the process)
     replica_id: str | None = None
-
-    @classmethod
-    def from_env(cls, **overrides: object) -> Settings:
-        """Settings with tokens read from the environment unless given explicitly."""
-        values: dict[str, object] = {
-            "token": os.environ.get("TIMWATCH_TOKEN") or None,
-            "read_token": os.environ.get("TIMWATCH_READ_TOKEN") or None,
-        }
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
 
     @property
     def inflight_budget(self) -> int:
