@@ -28,6 +28,7 @@ import weakref
 from typing import Any
 
 from ...monitor.core.batch import Batch, BatchError
+from ...monitor.core.clock import SYSTEM_CLOCK, Clock
 from .pool import BufferPool
 from .poster import Poster, post_finish
 from .queue import DropLog, DropQueue, Item
@@ -51,9 +52,11 @@ class Tap:
 
     ``queue_size`` and ``max_queue_bytes`` bound the batches waiting to ship; ``timeout`` is the
     per-request HTTP timeout; a batch is retried up to ``max_retries`` times with backoff from
-    ``backoff_s`` doubling to ``max_backoff_s``. ``rank`` defaults to ``RANK`` (or
-    torch.distributed's rank); generated batch ids are ``{id_prefix}-s{step}-{digest[:24]}``
-    with ``id_prefix`` ``tap-r{rank}``. ``finish``: `close()` marks the run finished.
+    ``backoff_s`` doubling to ``max_backoff_s`` (jittered down to half, raised to a 503's
+    ``Retry-After``, never above ``max_backoff_s``), waited on ``clock``. ``rank`` defaults to
+    ``RANK`` (or torch.distributed's rank); generated batch ids are
+    ``{id_prefix}-s{step}-{digest[:24]}`` with ``id_prefix`` ``tap-r{rank}``. ``finish``:
+    `close()` marks the run finished.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class Tap:
         flush_at_exit_s: float = 10.0,
         finish: bool = True,
         drop_log_s: float = 30.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not run:
             raise ValueError("run must be a non-empty string")
@@ -93,6 +97,7 @@ class Tap:
         self._closed = False
         self._touched = False  # report() was called: close() may finish the run
         self._stop = threading.Event()
+        self._clock = clock
         self._stats = TapStats()
         self._drops = DropLog(drop_log_s)
         self._logged: set[str] = set()
@@ -382,6 +387,6 @@ class Tap:
             delay = min(self.max_backoff_s, max(backoff, wait or 0.0))
             attempt += 1
             self._stats.retries += 1
-            if self._stop.wait(delay):
+            if self._clock.wait(self._stop, delay):
                 self._gave_up()
                 return

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tests.helpers.batches import random_batch
+from tests.helpers.clock import FakeClock
 from tests.helpers.procs import REPO, ServerProc
 from tests.helpers.tap_standin import StandIn
 from timwatch.monitor.core.batch import Batch
@@ -155,6 +156,28 @@ def test_503_and_500_are_retried_with_the_same_batch_id(stand_in: StandIn) -> No
     assert r["path"] == "/v1/runs/tap-run/batches"
     assert r["headers"]["Content-Type"] == "application/x-safetensors"
     assert r["headers"]["Authorization"] == "Bearer tok"
+
+
+def test_backoff_doubles_from_backoff_s_and_honours_retry_after(stand_in: StandIn) -> None:
+    """The waits between tries, on an injected clock (none of them passes in real time):
+    ``Retry-After`` raises a wait, ``max_backoff_s`` caps every one, and between those the wait
+    doubles from ``backoff_s`` with jitter down to half."""
+    stand_in.script = [
+        (503, {"Retry-After": "7"}),
+        (500, {}),
+        (500, {}),
+        (503, {"Retry-After": "3600"}),
+        (200, {}),
+    ]
+    clock = FakeClock()
+    tap = Tap(stand_in.url, "tap-run", backoff_s=1.0, max_backoff_s=8.0, clock=clock)
+    tap.report(7, **arrays_of(6))
+    assert tap.close(10)
+    assert (tap.stats()["sent"], tap.stats()["retries"]) == (1, 4)
+    first, second, third, capped = clock.waited
+    assert first == 7.0  # Retry-After over a backoff of 0.5-1 s
+    assert 1.0 <= second < 2.0 and 2.0 <= third < 4.0
+    assert capped == 8.0
 
 
 def test_4xx_is_refused_not_retried(stand_in: StandIn) -> None:
