@@ -13,20 +13,34 @@ instead of done twice), then prints, or writes to ``OUT``, ``{name: {"nrt": bool
 per signature]}}``. A worker whose IR cannot be read (its code came from the cache: a module
 without a function definition) is left out, so a reader knows to compile again with an empty
 cache (``NUMBA_CACHE_DIR``).
+
+A complete reading (every worker's IR) is also kept under `ir_key` in ``__pycache__`` next to
+this file (`saved` / `save`): IR is a function of the workers' sources, the interpreter, numba,
+llvmlite, the host CPU and numba's settings, and the key hashes all of them (every source file
+of the folders the workers live in), so a saved reading is the one a fresh compilation of the
+same tree gives; an edit anywhere in those folders reads the IR again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
+import os
+import platform
 import re
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["REFOP", "WORKERS", "compile_workers", "read_ir"]
+__all__ = ["REFOP", "WORKERS", "compile_workers", "complete", "ir_key", "read_ir", "save", "saved"]
+
+ROOT = Path(__file__).resolve().parents[2]
+_SAVED = Path(__file__).resolve().parent / "__pycache__"
 
 WORKERS: list[tuple[str, str]] = [
     ("timwatch.sidecar.proxy.sglang.deltascan", "_walk"),
@@ -91,6 +105,71 @@ def read_ir(workers: list[tuple[str, str]] = WORKERS) -> dict[str, dict[str, Any
     return out
 
 
+def ir_key(workers: list[tuple[str, str]] = WORKERS) -> str:
+    """SHA-256 of what the workers' IR depends on: every ``.py`` file of the folders they live
+    in (``monitor/core``, ``sidecar/proxy``, …) and this file, the Python, numba and llvmlite
+    versions, the host CPU's name and features, and the ``NUMBA_*`` settings but the cache's."""
+    import llvmlite
+    import llvmlite.binding as llvm
+    import numba
+
+    folders = sorted({ROOT.joinpath(*module.split(".")[1:3]) for module, _ in workers})
+    files = sorted(f for folder in folders for f in folder.rglob("*.py")) + [Path(__file__)]
+    h = hashlib.sha256()
+    for f in files:
+        data = f.read_bytes()
+        h.update(f"{f.relative_to(ROOT)}\0{len(data)}\0".encode())
+        h.update(data)
+    settings = {
+        k: v for k, v in os.environ.items() if k.startswith("NUMBA_") and k != "NUMBA_CACHE_DIR"
+    }
+    h.update(
+        json.dumps(
+            [
+                sys.version,
+                platform.machine(),
+                numba.__version__,
+                llvmlite.__version__,
+                llvm.get_host_cpu_name(),
+                llvm.get_host_cpu_features().flatten(),
+                sorted(settings.items()),
+                workers,
+            ]
+        ).encode()
+    )
+    return h.hexdigest()
+
+
+def complete(result: dict[str, Any], workers: list[tuple[str, str]] = WORKERS) -> bool:
+    """Whether `result` holds the IR of every worker."""
+    return all(result.get(name, {}).get("ops") for _, name in workers)
+
+
+def saved() -> dict[str, Any] | None:
+    """The complete reading saved under the current `ir_key`, if there is one."""
+    path = _SAVED / f"kernel_ir-{ir_key()}.json"
+    try:
+        result: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return result if complete(result) else None
+
+
+def save(result: dict[str, Any]) -> None:
+    """Keep a complete `result` under the current `ir_key` (atomically; others are removed)."""
+    if not complete(result):
+        return
+    _SAVED.mkdir(exist_ok=True)
+    name = f"kernel_ir-{ir_key()}.json"
+    for old in _SAVED.glob("kernel_ir-*.json"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=_SAVED, prefix=".kernel_ir-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(tmp, _SAVED / name)
+
+
 def main(argv: list[str]) -> None:
     warm = "--warm-up" in argv
     args = [a for a in argv if a != "--warm-up"]
@@ -102,7 +181,9 @@ def main(argv: list[str]) -> None:
         warm_up()
         proxies("sglang")
         proxies("vllm")
-    text = json.dumps(read_ir())
+    result = read_ir()
+    save(result)
+    text = json.dumps(result)
     if args:
         with open(args[0], "w", encoding="utf-8") as f:
             f.write(text)
