@@ -1,7 +1,8 @@
 """What ingest bounds besides the batch (docs/reference/api.md): run tags (count and size, the
 count checked against the run's stored tags in the batch's transaction) and the
 ``Timwatch-Tap-Dropped`` header (a live per-run counter). Against a real ``timwatch serve``;
-the merged-tag limit on SQLite and PostgreSQL."""
+the merged-tag limit on SQLite and PostgreSQL; the refusals of one malformed value each in an
+in-process app (`app`, a fresh store per case, no process to start)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.inproc import InProcessApp
 from tests.helpers.procs import ServerProc
 from tests.helpers.wire import counters, post, raw_batch
 from timwatch.monitor.core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
@@ -81,8 +83,8 @@ def test_tags_at_the_limit_pass_and_one_more_is_refused_whole(
     ids=["long-key", "space", "non-ascii", "empty-key", "no-equals", "long-value", "newline",
          "nul"],
 )  # fmt: skip
-def test_a_malformed_tag_is_422_naming_it(server: ServerProc, tag: str, named: str) -> None:
-    with server.client() as c:
+def test_a_malformed_tag_is_422_naming_it(app: InProcessApp, tag: str, named: str) -> None:
+    with app.client() as c:
         before = exposition(c)
         r = post_tags(c, "bad-tag", 1, [tag])
         after = exposition(c)
@@ -127,9 +129,9 @@ def test_tap_dropped_header_adds_up_on_new_batches_only(server: ServerProc) -> N
 
 
 @pytest.mark.parametrize("value", ["-1", "abc", "1.5", str(2**31 + 1), "", "0x10", "1e3"])
-def test_a_malformed_tap_dropped_header_is_422_naming_it(server: ServerProc, value: str) -> None:
+def test_a_malformed_tap_dropped_header_is_422_naming_it(app: InProcessApp, value: str) -> None:
     raw = raw_batch(3, step=1, batch_id="h")
-    with server.client() as c:
+    with app.client() as c:
         before = exposition(c)
         r = send(c, "hdr", raw, value)
         after = exposition(c)
