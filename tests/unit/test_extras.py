@@ -218,6 +218,34 @@ def test_the_proxies_build_with_the_proxy_extra_alone() -> None:
     assert proc.stdout.strip() == "built", proc.stderr[-3000:]
 
 
+def test_torch_masks_and_losses_run_with_the_torch_extra_alone() -> None:
+    """The trainer's torch side (masks on tensors, the loss, chunked log-probs) with every module
+    outside [torch] missing."""
+    code = _blocked(_outside("torch")) + (
+        "import torch\n"
+        "from timwatch.monitor.core.masks import estr_keep_mask, tis_weights\n"
+        "from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits\n"
+        "from timwatch.monitor.trainer.losses import estr_ppo_loss\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "logits = torch.randn(6, 11, generator=g, requires_grad=True)\n"
+        "labels = torch.randint(0, 11, (6,), generator=g)\n"
+        "logp, ent = logprobs_and_entropy_from_logits(logits, labels)\n"
+        "mu = logp.detach() - 0.05\n"
+        "keep = estr_keep_mask(logp.detach(), mu, ent.detach())\n"
+        "w = tis_weights(logp.detach(), mu)\n"
+        "loss, _ = estr_ppo_loss(log_prob=logp, old_log_prob=logp.detach(),\n"
+        "    advantages=torch.ones(6), loss_mask=torch.ones(6), rollout_log_prob=mu,\n"
+        "    entropy=ent.detach())\n"
+        "loss.backward()\n"
+        "assert isinstance(keep, torch.Tensor) and isinstance(w, torch.Tensor)\n"
+        "print(bool(torch.isfinite(logits.grad).all()))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    assert proc.stdout.strip() == "True", proc.stderr[-3000:]
+
+
 def test_dashboards_push_runs_with_the_dashboards_extra_alone() -> None:
     """With everything outside [dashboards] missing, the command gets as far as Grafana (none
     listens on port 9) and says so: no extra is named, no module is missing."""
