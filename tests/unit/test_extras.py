@@ -299,6 +299,22 @@ def test_a_present_extra_runs_the_command() -> None:
     assert proc.returncode == 0 and "Usage: timwatch runs" in proc.stdout, proc.stderr
 
 
+def test_a_lazy_name_names_the_extra_of_its_module() -> None:
+    code = _blocked(["fastapi"]) + (
+        "import timwatch\n"
+        "try:\n"
+        "    timwatch.create_app\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(exc.name, '|', exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    name, _, message = proc.stdout.strip().partition(" | ")
+    assert name == "fastapi", proc.stderr
+    assert message.endswith(f"({_hint('timwatch.create_app', 'server')})")
+
+
 def test_version_needs_no_extra() -> None:
     proc = _cli(["--version"], ["typer", "rich"])
     assert (proc.returncode, proc.stdout) == (0, f"timwatch {__version__}\n")
