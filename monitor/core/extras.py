@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["COMMANDS", "EXTRAS", "extra_for", "hint", "missing_for"]
+__all__ = ["COMMANDS", "EXTRAS", "extra_for", "hint", "missing_for", "with_hint"]
 
 _CLI = frozenset({"typer", "rich", "orjson"})
 _PROXY = _CLI | {"starlette", "uvicorn", "httptools", "numba", "httpx"}
@@ -77,3 +77,12 @@ def missing_for(command: str | None) -> str | None:
 def hint(what: str, extra: str) -> str:
     """``timwatch serve needs the [server] extra: pip install 'timwatch[server]'``."""
     return f"{what} needs the [{extra}] extra: pip install 'timwatch[{extra}]'"
+
+
+def with_hint(exc: ModuleNotFoundError, what: str) -> ModuleNotFoundError:
+    """``exc`` with `hint` for ``what`` appended to its message and the same ``name``; ``exc``
+    itself when no extra supplies its module."""
+    extra = extra_for(exc.name or "")
+    if extra is None:
+        return exc
+    return ModuleNotFoundError(f"{exc} ({hint(what, extra)})", name=exc.name)

@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .extras import extra_for, hint
+from .extras import with_hint
 
 __all__ = ["lazy_exports"]
 
@@ -25,10 +25,6 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
         try:
             return getattr(importlib.import_module(module), name)
         except ModuleNotFoundError as exc:
-            extra = extra_for(exc.name or "")
-            if extra is None:
-                raise
-            message = f"{exc} ({hint(f'{package}.{name}', extra)})"
-            raise ModuleNotFoundError(message, name=exc.name) from exc
+            raise with_hint(exc, f"{package}.{name}") from exc
 
     return __getattr__

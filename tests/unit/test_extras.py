@@ -315,6 +315,32 @@ def test_a_lazy_name_names_the_extra_of_its_module() -> None:
     assert message.endswith(f"({_hint('timwatch.create_app', 'server')})")
 
 
+@pytest.mark.parametrize(
+    ("call", "missing", "extra"),
+    [
+        ("b.to_safetensors()", "safetensors", "server"),
+        ("Batch.from_json_bytes(b'{}')", "orjson", "cli"),
+    ],
+)
+def test_batch_methods_name_the_extra_they_need(call: str, missing: str, extra: str) -> None:
+    code = _blocked([missing]) + (
+        "from timwatch.monitor.core.batch import Batch\n"
+        "b = Batch.from_json({'cu_seqlens': [0, 1], 'logp_rollout': [-1.0], 'logp_train': [-1.0],\n"
+        "                     'entropy': [0.5], 'loss_mask': [1]})\n"
+        "try:\n"
+        f"    {call}\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(exc.name, '|', exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    name, _, message = proc.stdout.strip().partition(" | ")
+    assert name.partition(".")[0] == missing, proc.stderr
+    method = call.partition("(")[0].replace("b.", "Batch.")
+    assert message.endswith(f"({_hint(method, extra)})")
+
+
 def test_version_needs_no_extra() -> None:
     proc = _cli(["--version"], ["typer", "rich"])
     assert (proc.returncode, proc.stdout) == (0, f"timwatch {__version__}\n")
