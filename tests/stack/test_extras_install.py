@@ -16,7 +16,8 @@
   an install would leave and ``pip check`` would pass), holding the urllib3 distribution and not
   urllib3-future.
 
-About three minutes here on a warm pip cache, most of it unpacking torch.
+About two minutes here on a warm pip cache (112 s: 54 s the seven extras in turn;
+31 s and 13 s the two resolutions; 7 s the plain install).
 """
 
 from __future__ import annotations
