@@ -1,63 +1,62 @@
-"""The ``timwatch`` program: one typer app that mounts the commands of the monitor and of the
-sidecar. It lives above both packages, so neither imports the other's commands; every heavy
-module (numba, FastAPI, torch) is imported by the command that needs it, when it runs.
-`main` runs it through `timwatch.monitor.cli.program.run`: plain help, one-line errors.
+"""The ``timwatch`` program's entry point (`main`): it checks that the extra the command needs is
+installed before importing typer (which itself comes with an extra), then runs the typer app of
+`timwatch.commands` through `timwatch.monitor.cli.program.run`.
+
+A command whose extra is missing prints one line on stderr naming the extra
+(``timwatch serve needs the [server] extra: pip install 'timwatch[server]'``) and exits 2, as
+does a module of an extra found missing while the command runs. `app` is the typer app, imported
+on first use.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from collections.abc import Sequence
+from typing import Any
 
-import typer
+from .monitor.core.extras import COMMANDS, hint, missing_for
 
-from .monitor.cli.analyze import analyze
-from .monitor.cli.dashboards import dashboards_app
-from .monitor.cli.diagnose import diagnose
-from .monitor.cli.history import history_app
-from .monitor.cli.lifecycle import finish
-from .monitor.cli.program import run
-from .monitor.cli.serve import serve
-from .monitor.core.version import __version__
-from .sidecar.cli import sidecar_app
-from .sidecar.demo.run import demo
-
-__all__ = ["app", "main"]
-
-app = typer.Typer(
-    name="timwatch",
-    help="Train–inference mismatch monitoring for LLM RL.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+__all__ = ["main"]
 
 
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"timwatch {__version__}")
-        raise typer.Exit()
+def _command(argv: Sequence[str]) -> str | None:
+    """The command word of ``argv``: its first argument that is not an option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
-@app.callback()
-def _root(
-    version: Annotated[
-        bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
-    ] = False,
-) -> None:
-    """Train–inference mismatch monitoring for LLM RL."""
+def preflight(argv: Sequence[str]) -> str | None:
+    """The one-line message for ``argv`` when the extra its command needs lacks a module here;
+    None when the command can run (or is not a command, which typer then refuses)."""
+    command = _command(argv)
+    known = command if command in COMMANDS else None
+    if missing_for(known) is None:
+        return None
+    if known is None:  # the program itself (typer) is missing: most commands come with [server]
+        return hint("timwatch", "server") + " (or [proxy] for timwatch sidecar alone)"
+    return hint(f"timwatch {known}", COMMANDS[known])
 
 
-app.command("demo")(demo)
-app.command("serve")(serve)
-app.command("analyze")(analyze)
-app.command("finish")(finish)
-app.registered_commands.extend(history_app.registered_commands)
-app.command("diagnose")(diagnose)
-app.add_typer(dashboards_app, name="dashboards", help="Grafana dashboards.")
-app.add_typer(sidecar_app, name="sidecar", help="Collectors in front of rollout engines.")
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run the program on ``argv`` (default ``sys.argv[1:]``) and exit with its code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--version"]:
+        from .monitor.core.version import __version__
+
+        print(f"timwatch {__version__}")  # what the app's eager --version prints
+        sys.exit(0)
+    message = preflight(args)
+    if message is not None:
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(2)
+    from .commands import app
+    from .monitor.cli.program import run
+
+    sys.exit(run(app, args))
 
 
-def main() -> None:
-    sys.exit(run(app))
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        from .commands import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,8 +2,10 @@
 line on stderr (``timwatch serve: port 8000 is in use: try --port 8001``), never a traceback.
 
 Exit codes: 0 success, 2 anything the user can fix (bad flag, bad input, unreachable server,
-unusable database: every `TimwatchError` and `OSError`), 1 a bug (the message says how to see the
-traceback: ``TIMWATCH_DEBUG=1``), 130 Ctrl-C. Commands raise; only `run` prints errors.
+unusable database: every `TimwatchError` and `OSError`; a module of an extra that is not installed,
+``timwatch serve needs the [postgres] extra: pip install 'timwatch[postgres]'``), 1 a bug (the
+message says how to see the traceback: ``TIMWATCH_DEBUG=1``), 130 Ctrl-C. Commands raise; only
+`run` prints errors.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageErro
 from typer.core import TyperArgument, TyperGroup
 
 from ..core.errors import TimwatchError
+from ..core.extras import extra_for, hint
 
 __all__ = ["DEBUG_ENV", "one_line", "run", "tidy"]
 
@@ -123,6 +126,11 @@ def run(app: typer.Typer, args: Sequence[str] | None = None, prog_name: str = "t
     except Exception as exc:
         if os.environ.get(DEBUG_ENV):
             raise
+        word = path.split()[1] if " " in path else None
+        extra = extra_for(exc.name or "", word) if isinstance(exc, ModuleNotFoundError) else None
+        if extra is not None:  # a module of an extra this installation lacks
+            print(hint(path, extra), file=sys.stderr, flush=True)
+            return 2
         return _fail(
             path,
             f"unexpected {type(exc).__name__}: {exc} (rerun with {DEBUG_ENV}=1 for the traceback)",

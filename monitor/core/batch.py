@@ -29,6 +29,7 @@ from .batch_checks import (
     parse_meta_strings,
 )
 from .errors import BatchError
+from .extras import with_hint
 
 __all__ = [
     "ENTROPY_MAX",
@@ -179,8 +180,10 @@ class Batch:
     def from_json_bytes(cls, data: bytes, *, nonfinite: NonFinitePolicy = "refuse") -> Batch:
         """Build from the bytes of a JSON body, parsed straight into arrays
         (`timwatch.monitor.core.jsonscan`: bounded memory, no recursion)."""
-        from .jsonscan import scan_batch
-
+        try:
+            from .jsonscan import scan_batch
+        except ModuleNotFoundError as exc:  # orjson
+            raise with_hint(exc, "Batch.from_json_bytes") from exc
         return cls.from_json(scan_batch(data), nonfinite=nonfinite)
 
     @classmethod
@@ -207,8 +210,10 @@ class Batch:
         return out
 
     def to_safetensors(self) -> bytes:
-        from safetensors.numpy import save
-
+        try:
+            from safetensors.numpy import save
+        except ModuleNotFoundError as exc:
+            raise with_hint(exc, "Batch.to_safetensors") from exc
         meta = {k: str(v) for k, v in self.metadata().items() if v is not None}
         tensors = {name: np.ascontiguousarray(v) for name, v in self.wire_arrays().items()}
         return save(tensors, metadata=meta)

@@ -251,14 +251,15 @@ def test_alertmanager_routes_pages_and_inhibits_a_runs_warnings(
 
 def test_dockerfile_installs_the_service_without_torch() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    assert 'pip install ".[postgres]"' in text
+    assert 'pip install ".[postgres,report]"' in text
     instructions = [
         ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")
     ]
     assert not [ln for ln in instructions if "torch" in ln.lower()], "the image must not get torch"
     assert 'exec timwatch serve --host 0.0.0.0 --port 8000 --db \\"$TIMWATCH_DB\\"' in text
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    installed = project["dependencies"] + project["optional-dependencies"]["postgres"]
+    extras = project["optional-dependencies"]
+    installed = project["dependencies"] + extras["postgres"] + extras["server"] + extras["report"]
     assert not [d for d in installed if d.lower().startswith("torch")], installed
     copied = {src for ln in instructions if ln.startswith("COPY ") for src in ln.split()[1:-1]}
     # the installed package (timwatch/ and the folders it links in) and nothing else of the repo

@@ -1,6 +1,7 @@
 """The wheel: built from this checkout, installed into a clean virtualenv, it adds exactly one
 top-level import name (``timwatch``), its console script runs, and it carries the migrations and
-the dashboards the service and ``dashboards push`` read at run time."""
+the dashboards the service and ``dashboards push`` read at run time. The wheel is the session's
+(tests/stack/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "-w", str(out), str(ROOT)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    (whl,) = out.glob("timwatch-*.whl")
-    return whl
 
 
 def test_wheel_has_one_top_level_name(wheel: Path) -> None:
@@ -42,10 +29,13 @@ def test_wheel_has_one_top_level_name(wheel: Path) -> None:
         assert needed in names, needed
 
 
-def test_clean_venv_gains_only_timwatch(wheel: Path, tmp_path: Path) -> None:
+def test_clean_venv_gains_only_timwatch(
+    wheel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Into a fresh venv that borrows this environment's dependencies (a ``.pth`` line adds their
     directory to sys.path; the editable install's own hook there is not run), the wheel adds
     one importable top-level name; ``timwatch --version`` works from its console script."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # or a checkout on it shadows the wheel
     import site
     import sysconfig
 

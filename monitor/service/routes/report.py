@@ -5,7 +5,8 @@ its threadpool: gathering and drawing (1.7-1.8 s for a 300-step run on a 2-core 
 `benchmarks/report_cost.py`; figures drawn before from the same data are reused,
 `report.figcache`) never block the event loop that serves ``/metrics`` and ingest. With
 ``--tokenizer`` the worst tokens carry their text (``app.state.token_text``, loaded once by
-``create_app``).
+``create_app``). A server installed without the ``[report]`` extra (matplotlib) answers 501
+naming it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 
 from ...core.errors import ApiError
+from ...core.extras import extra_for, hint
 from ...core.runid import check_run_id
 from ...report import build_report
 from .. import openapi_examples as ex
@@ -49,4 +51,9 @@ def report_html(
         )  # fmt: skip
     except LookupError:
         raise ApiError(404, f"run {run[:200]!r} not found") from None
+    except ModuleNotFoundError as exc:  # matplotlib: the server was installed without [report]
+        extra = extra_for(exc.name or "")
+        if extra is None:
+            raise
+        raise ApiError(501, hint("the incident report", extra) + " on the server") from None
     return HTMLResponse(page)
