@@ -77,7 +77,7 @@ def render_result(name: str, result: dict[str, Any] | None) -> str:
     out = [
         f"`{result['command']}`: {result['date']}, {m['cpu']} ({m['cores']} cores, load "
         f"average {fmt(float(m['load_average']))}), commit `{m['commit']}`."
-        + (f" {result['note']}." if result.get("note") else "")
+        + (f" {result['note'][:1].upper()}{result['note'][1:]}." if result.get("note") else "")
     ]
     if result["rows"]:
         out.append(_table(result["rows"]))
