@@ -18,6 +18,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import bench_json
+
 PROBE = """
 import json, resource, sys, time
 pre = {pre!r}
@@ -66,6 +68,7 @@ def measure(module: str, pre: list[str], rounds: int) -> Cost:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     results = {label: measure(m, pre, args.rounds) for m, pre, label in CASES}
     print(f"{'import':40} {'time':>9} {'RSS':>9}  heavy modules loaded")
@@ -73,12 +76,32 @@ def main() -> None:
         heavy = ", ".join(r.heavy) or "-"
         print(f"{label:40} {r.s * 1000:7.1f}ms {r.mb:7.1f}MB  {heavy}")
     tap = results["tap, after numpy"]
+    ratios = {}
     for base in ("baseline: httpx, after numpy", "baseline: numba engine, after numpy"):
         b = results[base]
         print(
             f"tap vs {base.split(': ')[1]}: {b.s / tap.s:.1f}× less time, "
             f"{b.mb - tap.mb:.1f} MB less"
         )
+        ratios[f"{base.split(': ')[1]} time / tap time"] = b.s / tap.s
+        ratios[f"{base.split(': ')[1]} RSS - tap RSS, MB"] = b.mb - tap.mb
+    rows = [
+        {
+            "import": label,
+            "time, ms": r.s * 1e3,
+            "RSS, MB": r.mb,
+            "heavy modules": ", ".join(r.heavy) or "-",
+        }
+        for label, r in results.items()
+    ]
+    bench_json.write(
+        args.json,
+        "import_cost",
+        {"tap after numpy, ms": tap.s * 1e3, "tap after numpy, MB": tap.mb},
+        ratios,
+        rows,
+        note=f"median of {args.rounds} fresh interpreters per row",
+    )
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_json  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -170,7 +173,9 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=64.0)
     p.add_argument("--concurrent", default="1,4")
     p.add_argument("--child", nargs=3, metavar=("MODE", "BODY", "COPIES"))
+    bench_json.add_argument(p)
     args = p.parse_args()
+    rows: list[dict[str, object]] = []
     if args.child:
         child(args.child[0], args.child[1], int(args.child[2]))
         return
@@ -188,10 +193,24 @@ def main() -> None:
                 )  # fmt: skip
                 ratio = json.loads(out.stdout.strip().splitlines()[-1])["ratio"]
                 print(f"{mode:<10} {copies:>6} {ratio:>30.2f}")
-            print(f"{'server':<10} {copies:>6} {server_ratio(str(body), copies):>30.2f}")
+                rows.append(
+                    {"mode": mode, "bodies at once": copies, "peak RSS / body bytes": ratio}
+                )
+            served = server_ratio(str(body), copies)
+            print(f"{'server':<10} {copies:>6} {served:>30.2f}")
+            rows.append(
+                {"mode": "server", "bodies at once": copies, "peak RSS / body bytes": served}
+            )
         new, old = parse_times(str(body))
         print(f"parse of one body: scanner {new:.3f} s, orjson + numpy {old:.3f} s, "
               f"ratio {new / old:.2f}")  # fmt: skip
+    bench_json.write(
+        args.json, "ingest_memory",
+        {f"server, {r['bodies at once']} body(ies): peak RSS growth per body byte":
+         r["peak RSS / body bytes"] for r in rows if r["mode"] == "server"},
+        {"scanner parse time / orjson + numpy parse time": new / old}, rows,
+        note=f"{mb:.1f} MB JSON bodies",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

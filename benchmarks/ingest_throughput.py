@@ -29,6 +29,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_json  # noqa: E402
 
 from timwatch.monitor.core.batch import Batch  # noqa: E402
 from timwatch.monitor.core.jsoncodec import dumps  # noqa: E402
@@ -105,6 +108,12 @@ def ingest(url: str, bodies: list[bytes], ctype: str, clients: int, per_client: 
     return elapsed
 
 
+# rows and figures for --json, appended by each part as it prints
+ROWS: list[dict[str, object]] = []
+FIGURES: dict[str, object] = {}
+RATIOS: dict[str, float] = {}
+
+
 def bench_ingest(tokens: int, seconds: float) -> None:
     tmp = tempfile.mkdtemp(prefix="tw-bench-")
     srv = Server(f"sqlite:///{tmp}/ingest.db")
@@ -130,9 +139,16 @@ def bench_ingest(tokens: int, seconds: float) -> None:
                 print(f"  {name:11s} clients={clients}: {n:3d} batches in {elapsed:6.2f} s → "
                       f"{rates[(name, clients)] / 1e6:7.2f} M tokens/s "
                       f"({elapsed / per_client * 1e3:7.1f} ms per batch per client)")  # fmt: skip
+                ROWS.append({
+                    "what": f"ingest {name}, {clients} client(s)",
+                    "tokens/s": rates[(name, clients)],
+                    "ms per batch per client": elapsed / per_client * 1e3,
+                })  # fmt: skip
         for clients in (1, 8):
             ratio = rates[("safetensors", clients)] / rates[("json", clients)]
             print(f"  safetensors/JSON with {clients} client(s): {ratio:.1f}x")
+            RATIOS[f"safetensors / JSON tokens/s, {clients} client(s)"] = ratio
+        FIGURES["safetensors ingest, 1 client, tokens/s"] = rates[("safetensors", 1)]
     finally:
         srv.stop()
 
@@ -199,6 +215,10 @@ def bench_query(db: str, label: str, steps: int, repeats: int) -> None:
     print(f"  {label}: {steps} steps (filled in {fill:.1f} s), 2 series, {len(r.content) / 1e6:.1f}"
           f" MB: p50 {statistics.median(lat):.1f} ms, p95 {q[18]:.1f} ms; last=1000: p50 "
           f"{statistics.median(lat_last):.1f} ms, p95 {ql[18]:.1f} ms")  # fmt: skip
+    ROWS.append({
+        "what": f"{label}: {steps:,}-step metrics query, 2 series",
+        "p50, ms": statistics.median(lat), "p95, ms": q[18],
+    })  # fmt: skip
 
 
 def bench_sqlite_sync(n: int = 200) -> None:
@@ -218,6 +238,7 @@ def bench_sqlite_sync(n: int = 200) -> None:
         dt = (time.perf_counter() - t0) / n * 1e3
         store.close()
         print(f"  synchronous={sync:6s}: {dt:.2f} ms per batch transaction (new step each)")
+        ROWS.append({"what": f"SQLite synchronous={sync}: a batch's transaction", "ms": dt})
 
 
 def main() -> None:
@@ -228,6 +249,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--pg-url", default=os.environ.get("TIMWATCH_TEST_PG_URL"))
     ap.add_argument("--skip-ingest", action="store_true")
+    bench_json.add_argument(ap)
     args = ap.parse_args()
 
     if not args.skip_ingest:
@@ -242,6 +264,10 @@ def main() -> None:
         print("  PostgreSQL: skipped (no --pg-url / TIMWATCH_TEST_PG_URL)")
     print("SQLite commit cost:")
     bench_sqlite_sync()
+    bench_json.write(
+        args.json, "ingest_throughput", FIGURES, RATIOS, ROWS,
+        note=f"{args.tokens:,}-token batches to a real timwatch serve on loopback",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

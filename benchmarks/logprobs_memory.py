@@ -8,7 +8,9 @@ exact on CPU where torch.cuda.max_memory_allocated is not available.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from timwatch.monitor.trainer.logprobs import logprobs_and_entropy_from_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_json  # noqa: E402
 
 
 class Largest(TorchDispatchMode):
@@ -65,6 +70,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--chunk", type=int, default=512)
+    bench_json.add_argument(p)
     a = p.parse_args()
     torch.manual_seed(0)
     logits = (torch.randn(a.tokens, a.vocab) * 3).bfloat16()
@@ -80,6 +86,14 @@ def main() -> None:
     print(
         f"memory ratio naive/chunked {m_naive / m_chunk:.1f}x, time ratio {t_chunk / t_naive:.2f}"
     )
+    bench_json.write(
+        a.json, "logprobs_memory",
+        {"chunked: largest float32 allocation, MiB": m_chunk / mib,
+         "naive: largest float32 allocation, MiB": m_naive / mib},
+        {"naive / chunked memory": m_naive / m_chunk, "chunked / naive time": t_chunk / t_naive},
+        note=f"{a.tokens} tokens, vocabulary {a.vocab}, chunk {a.chunk}, bf16 logits, "
+        "forward and backward",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

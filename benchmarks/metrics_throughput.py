@@ -35,6 +35,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_json  # noqa: E402
 import numpy as np  # noqa: E402
 from engine_at_rev import measure  # noqa: E402
 from metrics_batch import make_batch  # noqa: E402
@@ -280,6 +281,7 @@ def main() -> None:
         help="interleaved passes over this engine and the older ones, each keeping its minimum\n"
         "(a shared machine's load drifts over the minutes the comparison takes)",
     )
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     clock = time.perf_counter if args.wall else time.thread_time
     b = make_batch(args.tokens, args.sequences)
@@ -324,6 +326,20 @@ def main() -> None:
         )
     print(f"engine vs (c): {t_engine / t_floor:5.1f}x the floor's time")
     breakdown(b, params, rep, clock, max(1, args.passes))
+    ratios = {f"{name} time / engine time": t / t_engine for name, t in olds.items()}
+    ratios["(a) numpy time / engine time"] = t_numpy / t_engine
+    if t_torch is not None:
+        ratios["engine time / (b) torch.compile subset time"] = t_engine / t_torch
+    ratios["engine time / (c) read floor time"] = t_engine / t_floor
+    bench_json.write(
+        args.json, "metrics_throughput",
+        {f"engine, ms per {args.tokens:,} tokens": t_engine * 1e3},
+        ratios,
+        [{"engine or baseline": name, "ms": t * 1e3, "masked tokens/s": masked / t}
+         for name, t in rows],
+        note=f"{'wall' if args.wall else 'thread CPU'} time, minimum of {rep} rounds, "
+        f"{max(1, args.passes)} interleaved passes",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

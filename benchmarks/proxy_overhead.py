@@ -19,6 +19,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_json  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,11 +65,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--topk", type=int, default=5)
+    bench_json.add_argument(ap)
     args = ap.parse_args()
+    out: list[dict[str, object]] = []
 
     fport, pport = _port(), _port()
     fake = _start(
-        ["tests/fake_sglang.py", "--port", str(fport)], f"http://127.0.0.1:{fport}/health"
+        ["tests/helpers/fake_sglang.py", "--port", str(fport)], f"http://127.0.0.1:{fport}/health"
     )
     proxy_args = [
         "-c",
@@ -124,10 +129,23 @@ def main() -> None:
                     f"  proxy vs its rewrite direct: ratio p50 {p50 / d50:.2f}x  "
                     f"added p50 {p50 - d50:+.2f} ms  added p95 {p95 - d95:+.2f} ms"
                 )
+                out.append({
+                    "answer": f"{args.tokens} tokens, {kind}",
+                    "direct, rewritten request, p50 ms": d50,
+                    "through the proxy, p50 ms": p50,
+                    "added p50, ms": p50 - d50,
+                    "added p95, ms": p95 - d95,
+                })  # fmt: skip
     finally:
         for proc in (proxy, fake):
             proc.terminate()
             proc.wait(timeout=10)
+    bench_json.write(
+        args.json, "proxy_overhead",
+        {f"{r['answer']}: added p50, ms": r["added p50, ms"] for r in out}, {}, out,
+        note=f"{args.requests} requests per row against tests/helpers/fake_sglang.py, "
+        f"topk {args.topk}",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

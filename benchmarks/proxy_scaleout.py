@@ -36,6 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_json  # noqa: E402
 from proxy_throughput import _load, _port  # noqa: E402  (the same keep-alive load generator)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,7 +144,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--report-size", type=int, default=64)
     ap.add_argument("--report-tokens", type=int, default=1024)
+    bench_json.add_argument(ap)
     args = ap.parse_args()
+    rows: list[dict[str, object]] = []
+    ratios: dict[str, float] = {}
     print(f"{os.cpu_count()} cores; load average before: {os.getloadavg()}")
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         e, m = _port(), _port()
@@ -167,9 +171,12 @@ def main() -> None:
               f"{args.seconds:.0f} s per row")  # fmt: skip
         base = _capture_rate(one[0], one, args.tokens, args.conc, args.seconds)
         print(f"  1 proxy, direct           {base / 1e6:6.2f}M tokens/s  1.00")
+        rows.append({"what": "capture, 1 proxy called directly", "tokens/s": base})
         for n, (front, ports) in fronts.items():
             rate = _capture_rate(front, ports, args.tokens, args.conc, args.seconds)
             print(f"  {n} proxies, HAProxy{' ' * 8}{rate / 1e6:6.2f}M tokens/s  {rate / base:.2f}")
+            rows.append({"what": f"capture, {n} proxies behind HAProxy", "tokens/s": rate})
+            ratios[f"{n} proxies behind HAProxy / 1 proxy direct"] = rate / base
         print(f"report fan-out: {args.samples} samples of {args.report_tokens} tokens, "
               f"reports of {args.report_size} samples through HAProxy")  # fmt: skip
         single = None
@@ -178,7 +185,13 @@ def main() -> None:
             single = single or ms
             print(f"  {n} proxies: {ms:7.1f} ms per report ({1e3 * ms / args.report_size:.0f} µs "
                   f"per sample), {ms / single:.2f}× one proxy")  # fmt: skip
+            rows.append({"what": f"report of {args.report_size} samples, {n} proxies", "ms": ms})
+            ratios[f"report, {n} proxies / 1 proxy"] = ms / single
     print(f"load average after: {os.getloadavg()}")
+    bench_json.write(
+        args.json, "proxy_scaleout", {}, ratios, rows,
+        note=f"{args.tokens}-token plain answers, {args.conc} connections",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

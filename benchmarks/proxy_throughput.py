@@ -21,7 +21,12 @@ the engine works. The ``decoding`` row has the stand-in write an incremental str
 per ``--step-ms`` (one chunk, one write), as an engine decoding does, so the proxy reads about
 one frame per read and what a read costs decides it, not the bytes; the stand-in and the load
 generator pay Python per frame too, so that row's requests/s and p50 are bound by core 0 and
-its "cpu/req" is the figure to read.
+its "cpu/req" is the figure to read. The ``per-token`` row is a 4,096-token incremental stream
+written one frame (one chunk, one write) per token with no wait between frames, as an engine
+decoding as fast as it can writes it (the stand-in's ``--frames``); ``per-token-floor`` is the
+same stream through a proxy whose stream capture is a sink that drops what it is fed: the
+frames passed on, not read, the floor under the row above. The ``incremental`` row's streams
+arrive in 256 kB pieces, so it is a lower bound on what a stream costs.
 
 The load generator is plain asyncio + httptools: N keep-alive connections, each sending the
 next request as soon as its answer has been read in full.
@@ -32,6 +37,7 @@ streams with its C reader where that was built; ``TIMWATCH_NATIVE=0`` in the env
 it on the numba code instead (the header line says which).
 
     python benchmarks/proxy_throughput.py [--seconds 5] [--quick] [--client logprobs|plain]
+        [--only per-token,per-token-floor] [--json benchmarks/results/proxy_throughput.json]
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ from pathlib import Path
 import httptools
 import httpx
 import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -226,7 +235,8 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="",
-        help="comma-separated modes to run (plain,paced,incremental,decoding,cumulative)",
+        help="comma-separated modes to run (plain,paced,incremental,decoding,per-token,"
+        "per-token-floor,cumulative)",
     )
     ap.add_argument(
         "--decode-ms",
@@ -248,6 +258,7 @@ def main() -> None:
         help="streams relayed but not read (the capture's sink drops them): the relay's own "
         "cost; captured/s then counts plain answers only",
     )
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     os.sched_setaffinity(0, {0})
     scenarios = [
@@ -261,6 +272,8 @@ def main() -> None:
         ("paced", 64, 1),
         ("incremental", 4096, 64),
         ("decoding", 512, 64),
+        ("per-token", 4096, 64),
+        ("per-token-floor", 4096, 64),
         ("cumulative", 4096, 1),
         ("cumulative", 4096, 4),
     ]
@@ -272,16 +285,20 @@ def main() -> None:
         ports: dict[str, tuple[int, int, int]] = {}
         topk = ["--topk", str(args.topk)] if args.topk else []
         wanted = {s[0] for s in scenarios}
-        for mode in ("cumulative", "incremental", "decoding", "paced"):
+        modes = ("cumulative", "incremental", "decoding", "per-token", "per-token-floor", "paced")
+        for mode in modes:
             if mode != "cumulative" and mode not in wanted:
                 continue
             extra = {
                 "cumulative": [],
                 "incremental": ["--incremental-streaming-output"],
                 "decoding": ["--incremental-streaming-output", "--step-ms", str(args.step_ms)],
+                "per-token": ["--incremental-streaming-output", "--frames"],
+                "per-token-floor": ["--incremental-streaming-output", "--frames"],
                 "paced": ["--decode-ms", str(args.decode_ms)],
             }[mode]
-            prelude = _NO_STREAM_CAPTURE if args.no_stream_capture else ""
+            floor = args.no_stream_capture or mode == "per-token-floor"
+            prelude = _NO_STREAM_CAPTURE if floor else ""
             ports[mode] = _start_pair(stack, "sglang", extra, topk, prelude)
         print(
             f"load average at the start: {os.getloadavg()[0]:.1f}; "
@@ -302,6 +319,8 @@ def main() -> None:
         )
         per_core: dict[tuple[str, int, int], float] = {}
         bytes_core: dict[tuple[str, int, int], float] = {}
+        cpu_req: dict[tuple[str, int, int], float] = {}
+        rows: list[dict[str, object]] = []
         for mode, tokens, conc in scenarios:
             engine, proxy, pid = ports[mode if mode != "plain" else "cumulative"]
             body: dict = {
@@ -312,7 +331,10 @@ def main() -> None:
             if args.client == "logprobs":
                 body["return_logprob"] = True
             # a cumulative 4,096-token stream is ~360 MB of JSON: give streams a longer window
-            seconds = args.seconds * {"cumulative": 6, "incremental": 2, "decoding": 2}.get(mode, 1)
+            seconds = args.seconds * {
+                "cumulative": 6, "incremental": 2, "decoding": 2, "per-token": 4,
+                "per-token-floor": 4,
+            }.get(mode, 1)  # fmt: skip
             d_rps, d_p50, _ = _load(engine, body, conc, seconds)
             before, cpu0, wait0 = _captured(proxy), _cpu_s(pid), _waited_s(pid)
             completed = _COMPLETED[0]
@@ -320,7 +342,7 @@ def main() -> None:
             p_rps, p_p50, size = _load(proxy, body, conc, seconds)
             took = time.perf_counter() - t0
             answered = _captured(proxy) - before
-            if args.no_stream_capture and body["stream"]:
+            if (args.no_stream_capture and body["stream"]) or mode == "per-token-floor":
                 answered = _COMPLETED[0] - completed  # relayed, not captured
             captured, cpu = answered * tokens, _cpu_s(pid) - cpu0
             tok_s, busy = captured / took, cpu / took
@@ -329,11 +351,28 @@ def main() -> None:
                 "plain": "not streamed",
                 "paced": f"not streamed, engine {args.decode_ms:.0f} ms",
                 "decoding": f"incremental, {args.step_ms:g} ms a token",
+                "per-token": "incremental, a frame per token",
+                "per-token-floor": "a frame per token, relayed only",
             }.get(mode, f"{mode} stream")
             ratio = p_rps / d_rps if d_rps else float("nan")
             per_core[(mode, tokens, conc)] = tok_s / max(busy, 1e-9)
             # the body bytes the proxy received, read and relayed per CPU-second
             bytes_core[(mode, tokens, conc)] = answered * size / max(cpu, 1e-9)
+            cpu_req[(mode, tokens, conc)] = 1e3 * cpu / max(answered, 1)
+            rows.append(
+                {
+                    "answer": label,
+                    "conc.": conc,
+                    "direct, req/s": d_rps,
+                    "proxy, req/s": p_rps,
+                    "added p50, ms": p_p50 - d_p50,
+                    "proxy busy": busy,
+                    "waited": waited,
+                    "per proxy core, tokens/s": per_core[(mode, tokens, conc)],
+                    "cpu/req, ms": cpu_req[(mode, tokens, conc)],
+                    "KB/req": size / 1e3,
+                }
+            )
             print(
                 f"{label:<40}{conc:>5}{d_rps:>12.1f}{p_rps:>11.1f}{ratio:>7.2f}"
                 f"{p_p50 - d_p50:>+9.2f}{tok_s / 1e6:>10.2f}M{busy:>7.0%}{waited:>7.0%}"
@@ -343,14 +382,36 @@ def main() -> None:
                 flush=True,
             )
         plain = per_core.get(("plain", 4096, 64))
+        streams = ("incremental", "decoding", "per-token", "per-token-floor", "cumulative")
+        ratios: dict[str, float] = {}
         for (mode, _tokens, _conc), value in per_core.items():
-            if mode in ("incremental", "decoding", "cumulative") and plain:
+            if mode in streams and plain:
+                ratios[f"{mode} per proxy core / plain per proxy core"] = value / plain
                 in_bytes = bytes_core[(mode, _tokens, _conc)] / bytes_core[("plain", 4096, 64)]
                 print(
                     f"{mode} stream per proxy core / plain per proxy core: {value / plain:.2f} "
                     f"in tokens, {in_bytes:.2f} in body bytes"
                 )
         print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+        figures: dict[str, object] = {"stream reader": _reader()}
+        for key, name in (
+            (("per-token", 4096, 64), "a frame per token, 4,096 tokens: proxy CPU per stream, ms"),
+            (("per-token-floor", 4096, 64), "the same, relayed and not read (floor), ms"),
+            (("incremental", 4096, 64), "4,096 tokens in 256 kB pieces (lower bound), ms"),
+            (("plain", 4096, 64), "4,096 tokens not streamed, 64 concurrent: ms per answer"),
+            (("plain", 4096, 1), "4,096 tokens not streamed, concurrency 1: ms per answer"),
+        ):
+            if key in cpu_req:
+                figures[name] = cpu_req[key]
+        if ("per-token", 4096, 64) in cpu_req and ("per-token-floor", 4096, 64) in cpu_req:
+            ratios["a frame per token: captured / relayed only"] = (
+                cpu_req[("per-token", 4096, 64)] / cpu_req[("per-token-floor", 4096, 64)]
+            )
+        if ("per-token", 4096, 64) in cpu_req and ("incremental", 4096, 64) in cpu_req:
+            ratios["a frame per token / in 256 kB pieces"] = (
+                cpu_req[("per-token", 4096, 64)] / cpu_req[("incremental", 4096, 64)]
+            )
+        bench_json.write(args.json, "proxy_throughput", figures, ratios, rows)
 
 
 if __name__ == "__main__":

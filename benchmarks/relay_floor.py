@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_json  # noqa: E402
 import sglang_standin as standin  # noqa: E402
 
 _F_SETPIPE_SZ = 1031
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--seconds", type=float, default=2.0, help="about this long per row")
     ap.add_argument("--repeat", type=int, default=2, help="rows measured this often, interleaved")
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("needs two cores (the relay alone on core 1)")
@@ -153,13 +155,32 @@ def main() -> None:
                     f"{len(data) / cpu / 1e9:>10.2f}{args.tokens / cpu / 1e6:>10.3f}M"
                 )
     print("\nbest of the runs; ratios in the same run")
+    ratios: dict[str, float] = {}
     for name in ("incremental", "cumulative"):
         for mode in ("copy", "splice"):
             ratio = best[(name, mode)] / best[("plain", mode)]
             print(f"{name:>12} {mode:>6}: {ratio:8.1f}x the plain answer's relay CPU")
+            ratios[f"{name} / plain answer, {mode}"] = ratio
     for name in answers:
         ratio = best[(name, "splice")] / best[(name, "copy")]
         print(f"{name:>12} splice / copy: {ratio:.2f}")
+        ratios[f"{name}: splice / copy"] = ratio
+    rows = [
+        {
+            "answer": name,
+            "MB": len(data) / 1e6,
+            "copy, ms CPU": 1e3 * best[(name, "copy")],
+            "splice, ms CPU": 1e3 * best[(name, "splice")],
+            "tokens per CPU-second, spliced": args.tokens / best[(name, "splice")],
+        }
+        for name, data in answers.items()
+    ]
+    bench_json.write(
+        args.json, "relay_floor",
+        {f"{name} stream, splice, ms CPU": 1e3 * best[(name, "splice")]
+         for name in ("incremental", "cumulative")},
+        ratios, rows, note=f"{args.tokens}-token answers, best of {args.repeat} interleaved runs",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

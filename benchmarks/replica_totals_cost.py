@@ -28,6 +28,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_json  # noqa: E402
 
 from tests.helpers.pg import fresh_database  # noqa: E402
 from timwatch.monitor.core.accumulator import Accumulator  # noqa: E402
@@ -119,14 +121,18 @@ def measure(store: Store, pg: Pg | None, args: argparse.Namespace) -> dict[str, 
     return out
 
 
-def report(figs: dict[str, list[float]], backend: str, pg: bool) -> None:
+def report(figs: dict[str, list[float]], backend: str, pg: bool, path: Any = None) -> None:
     keys = ["wall_ms", "py_cpu_ms"] + (["pg_cpu_ms", "wal_kb", "growth_kb"] if pg else [])
+    rows: list[dict[str, object]] = []
     print(f"per batch on {backend} (median of rounds)   without id   --replica-id   ratio")
     for k in keys:
         a, b = statistics.median(figs[f"none.{k}"]), statistics.median(figs[f"replica.{k}"])
         ratio = f"{b / a:5.2f}x" if a > 0 else "   -"
         print(f"   {k:34s} {a:10.2f}   {b:12.2f}   {ratio}")
+        rows.append({"per batch": k, "without id": a, "--replica-id": b,
+                     "ratio": b / a if a > 0 else "-"})  # fmt: skip
     print(f"   load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores")
+    bench_json.write(path, "replica_totals_cost", {}, {}, rows, note=f"{backend}, median of rounds")
 
 
 def main() -> None:
@@ -135,12 +141,13 @@ def main() -> None:
     ap.add_argument("--sqlite", action="store_true", help="a SQLite file instead")
     ap.add_argument("--batches", type=int, default=240, help="per mode")
     ap.add_argument("--rounds", type=int, default=6)
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     if args.sqlite:
         with tempfile.TemporaryDirectory() as tmp:
             store = Store(f"sqlite:///{tmp}/cost.db")
             try:
-                report(measure(store, None, args), "SQLite", False)
+                report(measure(store, None, args), "SQLite", False, args.json)
             finally:
                 store.close()
         return
@@ -150,7 +157,7 @@ def main() -> None:
         store = Store(db)
         try:
             pg: Any = Pg(store)
-            report(measure(store, pg, args), "PostgreSQL", True)
+            report(measure(store, pg, args), "PostgreSQL", True, args.json)
         finally:
             store.close()
 

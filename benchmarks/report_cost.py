@@ -20,6 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_json  # noqa: E402
+
 from tests.helpers.report_runs import ingest_steps  # noqa: E402
 from timwatch.monitor.report import build_report, figcache  # noqa: E402
 from timwatch.monitor.store import Store  # noqa: E402
@@ -40,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--repeat", type=int, default=4)
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(f"sqlite:///{tmp}/report.db", sqlite_synchronous="OFF")
@@ -54,6 +59,12 @@ def main() -> None:
     print(f"{args.steps}-step run, median of {args.repeat}:")
     print(f"  figures drawn   {d:6.3f} s (best {min(drawn):.3f})")
     print(f"  figures reused  {r:6.3f} s (best {min(reused):.3f})   {d / r:.0f}x faster")
+    bench_json.write(
+        args.json, "report_cost",
+        {f"{args.steps}-step page, figures drawn, s": d,
+         f"{args.steps}-step page, figures reused, s": r},
+        {"drawn / reused": d / r}, note=f"median of {args.repeat}",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

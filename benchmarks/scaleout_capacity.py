@@ -39,6 +39,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_json  # noqa: E402
 
 from tests.helpers.pg import fresh_database  # noqa: E402
 from tests.helpers.procs import free_port  # noqa: E402
@@ -178,6 +180,11 @@ def load(url: str, producers: int, tokens: int, seconds: float) -> Counter[int]:
     return statuses
 
 
+# rows for --json, appended as each part prints
+ROWS: list[dict[str, object]] = []
+FIGURES: dict[str, object] = {}
+
+
 def throughput(pg_url: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     print(f"1. throughput through HAProxy, {args.producers} producers, {args.tokens}-token "
           f"batches, {args.load_s:.0f} s per configuration")  # fmt: skip
@@ -213,6 +220,11 @@ def throughput(pg_url: str, args: argparse.Namespace, tmp: Path) -> dict[str, fl
         print(f"   {n:8d}  {bps:9.1f}  {bps * args.tokens:8.0f}  {bps / base:6.2f}x  "
               f"{per['rep']:24.1f}  {per['pg']:8.1f}  {per['lb']:7.2f}  {per['cli']:9.1f}"
               f"{note}")  # fmt: skip
+        ROWS.append({
+            "replicas": n, "batches/s": bps, "tokens/s": bps * args.tokens, "vs 1": bps / base,
+            "CPU ms per batch: replicas": per["rep"], "PostgreSQL": per["pg"],
+            "HAProxy": per["lb"], "producers": per["cli"], "load average": load_avg,
+        })  # fmt: skip
         last = {"bps": bps, "rep_ms": per["rep"], "pg_ms": per["pg"],
                 "wal": (wal1 - wal0) / max(ok, 1),
                 "size": (size1 - size0) / max(ok, 1)}  # fmt: skip
@@ -257,6 +269,8 @@ def scrapes(pg_url: str, tmp: Path, runs: int) -> tuple[float, int]:
                   f"{len(text) / 1e6:5.2f} MB, {text.count(chr(10))} lines; "
                   f"first scrape {first * 1e3:6.1f} ms, then p50 {rest[10] * 1e3:6.1f} ms, "
                   f"max {rest[-1] * 1e3:6.1f} ms")  # fmt: skip
+            FIGURES[f"scrape of a replica holding {runs:,} runs, MB"] = len(text) / 1e6
+            FIGURES[f"scrape of a replica holding {runs:,} runs, p50 ms"] = rest[10] * 1e3
             return rest[10], len(text)
         finally:
             reps.stop()
@@ -270,6 +284,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--runs", type=int, default=1000)
     ap.add_argument("--scrapes-only", action="store_true", help="only part 2 (scrape cost)")
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     if not args.pg_url:
         raise SystemExit("--pg-url (or TIMWATCH_TEST_PG_URL) is required")
@@ -277,13 +292,22 @@ def main() -> None:
         tmp = Path(d)
         if args.scrapes_only:
             scrapes(args.pg_url, tmp, args.runs)
+            bench_json.write(args.json, "scaleout_capacity", FIGURES, {}, ROWS)
             return
         fig = throughput(args.pg_url, args, tmp)
         print("3. PostgreSQL per batch (3 replicas): "
               f"CPU {fig['pg_ms']:.1f} ms, WAL {fig['wal'] / 1e3:.1f} kB, "
               f"database growth {fig['size'] / 1e3:.1f} kB")  # fmt: skip
+        FIGURES["PostgreSQL per batch (3 replicas): CPU, ms"] = fig["pg_ms"]
+        FIGURES["PostgreSQL per batch (3 replicas): WAL, kB"] = fig["wal"] / 1e3
+        FIGURES["PostgreSQL per batch (3 replicas): database growth, kB"] = fig["size"] / 1e3
         scrape_s, scrape_bytes = scrapes(args.pg_url, tmp, args.runs)
     lab(fig, args.tokens, scrape_s, scrape_bytes)
+    bench_json.write(
+        args.json, "scaleout_capacity", FIGURES, {}, ROWS,
+        note="every configuration shares the host's cores: CPU per batch carries over, "
+        "batches/s does not",
+    )  # fmt: skip
 
 
 def lab(fig: dict[str, float], tokens: int, scrape_s: float, scrape_bytes: int) -> None:

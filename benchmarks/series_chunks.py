@@ -23,6 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_json  # noqa: E402
 from ingest_throughput import fill_steps, make_batch  # noqa: E402
 
 import timwatch.monitor.store.series as series  # noqa: E402
@@ -84,7 +85,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=300)
     ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=20)
+    bench_json.add_argument(ap)
     args = ap.parse_args()
+    rows: list[dict[str, Any]] = []
     stores = [("SQLite", None)] + ([("PostgreSQL", args.pg_url)] if args.pg_url else [])
     for label, pg in stores:
         tmp = tempfile.mkdtemp(prefix="tw-series-")
@@ -101,6 +104,18 @@ def main() -> None:
                   f"merge {merge:.2f} ms ({merge / base_merge:.2f}x); {args.steps} steps, "
                   f"2 series + orjson: rows p50 {r50:.1f}/p95 {r95:.1f} ms, chunks p50 "
                   f"{c50:.1f}/p95 {c95:.1f} ms ({r50 / c50:.1f}x)")  # fmt: skip
+            rows.append({
+                "store": label, "chunk": size,
+                "per batch, new step, ms": new, "new step / without chunks": new / base_new,
+                "per batch, merge, ms": merge, "merge / without chunks": merge / base_merge,
+                "read from rows p50, ms": r50, "read from chunks p50, ms": c50,
+                "read from chunks p95, ms": c95, "rows p50 / chunks p50": r50 / c50,
+            })  # fmt: skip
+    bench_json.write(
+        args.json, "series_chunks", {}, {}, rows,
+        note=f"{args.steps:,}-step reads of 2 series, {args.repeats} repeats; "
+        f"{args.batches} batches per write figure",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_json  # noqa: E402
+
 from tests.helpers.pg import fresh_database  # noqa: E402
 from timwatch.monitor.core.accumulator import Accumulator  # noqa: E402
 from timwatch.monitor.core.batch import Batch  # noqa: E402
@@ -80,6 +83,15 @@ def timed(fn: Callable[[], object], n: int) -> list[float]:
     return out
 
 
+# rows for --json: one per latency the run prints
+ROWS: list[dict[str, object]] = []
+
+
+def lat_row(what: str, xs: list[float]) -> dict[str, object]:
+    return {"what": what, "p50, ms": pct(xs, 0.5) * 1e3, "p99, ms": pct(xs, 0.99) * 1e3,
+            "max, ms": max(xs) * 1e3, "n": len(xs)}  # fmt: skip
+
+
 def in_process(n_runs: int) -> float:
     accs: list[Accumulator] = [accumulate(batch(s, 0)) for s in range(4)]
     runs = RunRegistry(ttl=1e9)
@@ -104,10 +116,13 @@ def in_process(n_runs: int) -> float:
     assert expo.render() == render(full_reg)
     print(f"1. in process, {n_runs} live runs")
     print(f"   full render (baseline)      {ms(full)}")
+    ROWS.append(lat_row("in process: full render (baseline)", full))
     print(f"   incremental, first scrape   {ms(first)}")
+    ROWS.append(lat_row("in process: incremental, first scrape", first))
     for label, xs in (("0 changed", idle), ("5 changed", five)):
         ratio = pct(full, 0.5) / pct(xs, 0.5)
         print(f"   incremental, {label}      {ms(xs)}   full/incr {ratio:6.1f}x")
+        ROWS.append(lat_row(f"in process: incremental, {label}", xs))
     return pct(full, 0.5)
 
 
@@ -188,9 +203,12 @@ def scrapes_under_load(url: str, n_runs: int, producers: int, full_p50: float) -
         after = rejected(c)
     print(f"2. real server, {n_runs} live runs (SQLite)")
     print(f"   /metrics first scrape       {ms(first)}")
+    ROWS.append(lat_row("real server: /metrics first scrape", first))
     ratio = full_p50 / pct(idle, 0.5)
     print(f"   /metrics idle               {ms(idle)}   in-process full render/this {ratio:6.1f}x")
+    ROWS.append(lat_row("real server: /metrics idle", idle))
     print(f"   /metrics, {producers} producers      {ms(busy)}")
+    ROWS.append(lat_row(f"real server: /metrics, {producers} producers", busy))
     print(f"   producer answers: {dict(sorted(codes.items()))} ({producers} x 10 posts)")
     print(f"   refusals by reason: {delta(before, after)}")
 
@@ -253,9 +271,11 @@ def locked_writes(url: str, hold: AbstractContextManager[None], producers: int, 
             after = rejected(c)
     print(f"3. {what} held by another connection, {producers} concurrent writers x 3")
     print(f"   time to 503                 {ms(to_503)}  max {max(to_503) * 1e3:.1f} ms")
+    ROWS.append(lat_row(f"{what}: time to 503", to_503))
     print(f"   answers: {dict(codes)}")
     print(f"   by reason: {delta(before, after)}")
     print(f"   /metrics + /healthz meanwhile {ms(side)}")
+    ROWS.append(lat_row(f"{what}: /metrics + /healthz meanwhile", side))
 
 
 def main() -> None:
@@ -263,6 +283,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1000)
     ap.add_argument("--producers", type=int, default=64)
     ap.add_argument("--pg-url", help="also lock a PostgreSQL store (a scratch database on it)")
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     full_p50 = in_process(args.runs)
     with tempfile.TemporaryDirectory() as tmp:
@@ -289,6 +310,10 @@ def main() -> None:
                 finally:
                     proc.terminate()
                     proc.wait(30)
+    bench_json.write(
+        args.json, "serving", {}, {}, ROWS,
+        note=f"{args.runs:,} live runs, {args.producers} producers",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

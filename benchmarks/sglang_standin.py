@@ -11,7 +11,8 @@ in), so the stand-in costs a few copies per stream, not Python per frame: what i
 what a real engine's many small writes deliver to a busy proxy, coalesced reads. The rendered
 streams stay in memory (a 4,096-token cumulative one is 339 MB). With ``--step-ms`` a stream is
 written as an engine decoding writes it instead: one frame (one HTTP chunk) per decode step,
-``--step-ms`` apart, so a proxy that keeps up gets one frame per read.
+``--step-ms`` apart, so a proxy that keeps up gets one frame per read; ``--frames`` writes it so
+with no wait between frames (an engine decoding as fast as it can).
 
 Plain asyncio streams and httptools (`standin_http`); HTTP/1.1 keep-alive; chunked encoding
 for streams.
@@ -113,6 +114,7 @@ async def _handle(
     streams: Streams,
     decode_s: float = 0.0,
     step_s: float = 0.0,
+    frames: bool = False,
 ) -> None:
     if req.url.startswith(b"/health"):
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
@@ -120,7 +122,7 @@ async def _handle(
     body: dict[str, Any] = orjson.loads(bytes(req.body))
     if decode_s:
         await asyncio.sleep(decode_s)
-    await _generate(body, writer, answers, streams, step_s)
+    await _generate(body, writer, answers, streams, step_s, frames)
     await writer.drain()
 
 
@@ -184,6 +186,7 @@ async def _generate(
     answers: Answers,
     streams: Streams,
     step_s: float = 0.0,
+    frames: bool = False,
 ) -> None:
     n = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
     lp = bool(body.get("return_logprob"))
@@ -203,7 +206,7 @@ async def _generate(
     writer.write(
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     )
-    if step_s:
+    if step_s or frames:
         for frame in streams.frames(n, shape, prompt):
             writer.write(frame.replace(_RID, rid))
             await writer.drain()
@@ -237,11 +240,20 @@ def main() -> None:
         default=0.0,
         help="write a stream one frame per decode step, this far apart (0: in big pieces)",
     )
+    ap.add_argument(
+        "--frames",
+        action="store_true",
+        help="write a stream one frame (one chunk) per write even at --step-ms 0, yielding to "
+        "the event loop between frames: an engine decoding as fast as it can",
+    )
     args = ap.parse_args()
     answers = Answers()
     streams = Streams(answers, args.incremental_streaming_output)
     decode_s, step_s = args.decode_ms / 1e3, args.step_ms / 1e3
-    serve(args.port, lambda req, w: _handle(req, w, answers, streams, decode_s, step_s))
+    serve(
+        args.port,
+        lambda req, w: _handle(req, w, answers, streams, decode_s, step_s, args.frames),
+    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import bench_json  # noqa: E402
 from timwatch.sidecar.tap import Tap  # noqa: E402
 
 
@@ -92,7 +93,7 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.quantile(np.asarray(xs), q))
 
 
-def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> None:
+def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> dict[str, Any]:
     arrays = payload(n, kind)
     tap = Tap(url, f"bench-{kind}-{n}", queue_size=calls + 10, rank=0)
     q: queue.Queue[Any] = queue.Queue()
@@ -127,6 +128,16 @@ def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> None:
         f"queue.put p50 {p50:5.2f} µs p99 {p99:5.2f} µs | ratio p50 {r50 / p50:6.0f}x | "
         f"sent {st['sent']}/{calls} dropped {st['dropped']} (drain {drain:.1f} s)"
     )
+    return {
+        "inputs": kind,
+        "tokens": n,
+        "calls": mode,
+        "report p50, µs": r50,
+        "report p99, µs": r99,
+        "queue.put p50, µs": p50,
+        "sent": st["sent"],
+        "dropped": st["dropped"],
+    }
 
 
 def main() -> None:
@@ -137,8 +148,10 @@ def main() -> None:
         "--pace-ms", type=float, default=20.0,
         help="gap between paced calls (a training step); burst mode calls back to back",
     )  # fmt: skip
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     kinds = ["numpy", "torch"]
+    rows: list[dict[str, Any]] = []
     try:
         import torch
 
@@ -152,10 +165,16 @@ def main() -> None:
             for n in (int(x) for x in args.tokens.split(",")):
                 for kind in kinds:
                     for pace in (args.pace_ms, 0.0):
-                        _measure(url, kind, n, args.calls, pace)
+                        rows.append(_measure(url, kind, n, args.calls, pace))
         finally:
             proc.terminate()
             proc.wait(10)
+    bench_json.write(
+        args.json, "tap_overhead",
+        {f"{r['inputs']}, {r['tokens']:,} tokens, paced: report p50, µs": r["report p50, µs"]
+         for r in rows if r["calls"] == "paced"},
+        {}, rows, note=f"{args.calls} calls per row; paced: {args.pace_ms:g} ms between calls",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import bench_json  # noqa: E402
 from benchmarks.tap_overhead import payload as trainer_payload  # noqa: E402
 from timwatch.sidecar.tap import Tap  # noqa: E402
 
@@ -52,7 +53,7 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.quantile(np.asarray(xs), q))
 
 
-def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> None:
+def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> dict[str, Any]:
     payload = trainer_payload(n, kind, seq_len=1024)
     tap = Tap(url, f"bench-{kind}", rank=0, max_retries=2, backoff_s=0.05, max_backoff_s=0.2)
     for i in range(3):  # warm the allocator and the shipper before timing
@@ -99,6 +100,17 @@ def _measure(url: str, kind: str, n: int, calls: int, pace_ms: float) -> None:
             f" ({len(full)} calls: buffers reused) p50 {_pct(full, 0.5):6.2f} p99"
             f" {_pct(full, 0.99):6.2f} max {max(full):6.2f} ms"
         )
+    return {
+        "inputs": kind,
+        "tokens": n,
+        "MiB": mib,
+        "report p50, ms": r50,
+        "report p99, ms": r99,
+        "queue full: report p99, ms": _pct(full, 0.99) if full else "-",
+        "np.copy p50, ms": c50,
+        "report p50 / np.copy p50": r50 / c50,
+        "dropped": st["dropped"],
+    }
 
 
 def main() -> None:
@@ -106,6 +118,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=1_000_000)
     ap.add_argument("--pace-ms", type=float, default=0.0, help="sleep between calls (a step)")
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     kinds = ["numpy"]
     try:
@@ -116,9 +129,15 @@ def main() -> None:
         print("torch not installed: numpy inputs only")
     url = f"http://127.0.0.1:{_closed_port()}"
     started = time.perf_counter()
-    for kind in kinds:
-        _measure(url, kind, args.tokens, args.calls, args.pace_ms)
+    rows = [_measure(url, kind, args.tokens, args.calls, args.pace_ms) for kind in kinds]
     print(f"total {time.perf_counter() - started:.1f} s")
+    bench_json.write(
+        args.json, "tap_report",
+        {f"{r['inputs']}: report p99 once the queue is full, ms": r["queue full: report p99, ms"]
+         for r in rows},
+        {f"{r['inputs']}: report p50 / np.copy p50": r["report p50 / np.copy p50"] for r in rows},
+        rows, note=f"{args.calls} calls per input kind, the monitor down",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_json  # noqa: E402
 from proxy_throughput import _captured, _cpu_s, _load, _start_pair  # noqa: E402
 
 PATHS = {
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--quick", action="store_true", help="only the non-streamed 64-request rows")
     ap.add_argument("--profile", action="store_true", help="in-process cost breakdown only")
+    bench_json.add_argument(ap)
     args = ap.parse_args()
     if args.profile:
         profile(4096)
@@ -130,6 +132,8 @@ def main() -> None:
             f"{'answer':<34}{'conc':>5}{'direct r/s':>11}{'same-work r/s':>14}{'proxy r/s':>10}"
             f"{'ratio':>7}{'+p50 ms':>9}{'captured/s':>11}{'busy':>6}{'per core':>9}"
         )
+        rows: list[dict[str, object]] = []
+        figures: dict[str, object] = {}
         for kind, tokens, conc, stream in scenarios:
             b, path = body(kind, tokens, stream), PATHS[kind]
             seconds = args.seconds * (2 if stream else 1)
@@ -149,6 +153,22 @@ def main() -> None:
                 f"{tok_s / max(busy, 1e-9) / 1e6:>8.2f}M",
                 flush=True,
             )
+            per_core = tok_s / max(busy, 1e-9)
+            rows.append(
+                {
+                    "answer": label,
+                    "conc.": conc,
+                    "direct, req/s": d_rps,
+                    "same work direct, req/s": w_rps,
+                    "proxy, req/s": p_rps,
+                    "added p50, ms": p_p50 - d_p50,
+                    "proxy busy": busy,
+                    "per proxy core, tokens/s": per_core,
+                }
+            )
+            if conc == 64:
+                figures[f"{label}: captured tokens per proxy CPU-second"] = per_core
+        bench_json.write(args.json, "vllm_proxy_throughput", figures, {}, rows)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The incident report served by a real ``timwatch serve`` and written by ``timwatch report
---html``, and its size on a 10k-step run (docs: README.md "Incident report")."""
+--html``, and its size on a 10k-step run (docs/service.md, "Incident report")."""
 
 from __future__ import annotations
 
