@@ -156,6 +156,8 @@ async def relay(
 ) -> Response:
     """Forward one request untouched and stream the upstream's answer back untouched."""
     length = request.headers.get("content-length")
+    if length is None and "transfer-encoding" not in request.headers:
+        content = b""  # RFC 9112 §6.3: a request with neither header has no body
     try:
         resp = await state.client().request(
             request.method,
