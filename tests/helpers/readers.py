@@ -1,6 +1,7 @@
 """The stream reader's two implementations, for test modules that must pass on both: the C
-code (`proxy.native`) and the fallback that runs where it was not built (llhttp de-chunks). A module that imports `stream_reader` and
-sets ``pytestmark = pytest.mark.usefixtures("stream_reader")`` runs its tests once on each.
+code (`proxy.native`) and the fallback that runs where it was not built (llhttp de-chunks).
+A module that imports `stream_reader` and sets
+``pytestmark = pytest.mark.usefixtures("stream_reader")`` runs its tests once on each.
 Where the C code was not built (no compiler at install), its half is skipped, except in CI or
 with ``TIMWATCH_NATIVE=1``, where it fails."""
 

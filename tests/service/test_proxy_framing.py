@@ -40,7 +40,11 @@ from tests.helpers.procs import (
 REQUESTS = {
     "sglang": (
         "/generate",
-        {"input_ids": [5, 6, 7, 8], "return_logprob": True, "sampling_params": {"max_new_tokens": 40}},
+        {
+            "input_ids": [5, 6, 7, 8],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 40},
+        },
     ),
     "vllm": (
         "/v1/completions",
@@ -57,6 +61,12 @@ FRAMINGS = {
     "interim": True,
 }
 TIMEOUT = 30.0
+# answers without a body: 204, 304 (with the length it would have sent), HEAD's
+BODYLESS = {
+    "/nothing": b"HTTP/1.1 204 No Content\r\n\r\n",
+    "/cached": b'HTTP/1.1 304 Not Modified\r\netag: "x"\r\ncontent-length: 9\r\n\r\n',
+    "HEAD": b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\n",
+}
 
 
 def _answer_head(framing: str, ctype: bytes, size: int) -> bytes:
@@ -74,7 +84,9 @@ def _answer_head(framing: str, ctype: bytes, size: int) -> bytes:
     if framing == "http10":
         return b"HTTP/1.0 200 OK\r\n" + ct + b"\r\n"
     assert framing == "http10-keep-alive"
-    return b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\n" + ct + b"content-length: %d\r\n\r\n" % size
+    return (
+        b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\n" + ct + b"content-length: %d\r\n\r\n" % size
+    )
 
 
 def _chunked(body: bytes, rng: random.Random) -> bytes:
@@ -122,7 +134,9 @@ class RawUpstream:
         self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         self.loop.close()
 
-    async def _request(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes]:
+    async def _request(
+        self, reader: asyncio.StreamReader
+    ) -> tuple[str, str, dict[str, str], bytes]:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         method, target, _ = lines[0].split(" ")
@@ -152,10 +166,7 @@ class RawUpstream:
                 tag = headers.get("x-tag", "")
                 framing, keep = self.framing, True
                 if path in ("/nothing", "/cached") or method == "HEAD":
-                    wire = {
-                        "/nothing": b"HTTP/1.1 204 No Content\r\n\r\n",
-                        "/cached": b'HTTP/1.1 304 Not Modified\r\netag: "x"\r\ncontent-length: 9\r\n\r\n',
-                    }.get(path, b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 2\r\n\r\n")
+                    wire = BODYLESS.get(path, BODYLESS["HEAD"])
                 elif framing == "reset-head":
                     self.log.append((tag, conn))
                     return
@@ -207,7 +218,10 @@ def _post(url: str, kind: str, stream: bool, tag: str) -> httpx.Response:
 def answers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What the stand-ins answer each request, streamed and not, as files."""
     out = tmp_path_factory.mktemp("answers")
-    for kind, upstream in (("sglang", fake_sglang_process(False)), ("vllm", vllm_standin_process())):
+    for kind, upstream in (
+        ("sglang", fake_sglang_process(False)),
+        ("vllm", vllm_standin_process()),
+    ):
         with upstream as url:
             path, _ = REQUESTS[kind]
             for stream in (False, True):

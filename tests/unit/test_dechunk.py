@@ -168,7 +168,7 @@ def test_changed_bytes_accepted_by_llhttp_give_the_same_body(
     wire = bytearray(_wire(parts, size, trailer))
     for _ in range(data.draw(st.integers(1, 3))):
         at = data.draw(st.integers(0, len(wire) - 1))
-        wire[at] = data.draw(st.sampled_from(b"\r\n0aF;x =\t\"g"))
+        wire[at] = data.draw(st.sampled_from(b'\r\n0aF;x =\t"g'))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=3)))
     edges = [0, *cuts, len(wire)]
     reads = [bytes(wire[a:b]) for a, b in zip(edges, edges[1:], strict=False)]

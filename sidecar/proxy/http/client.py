@@ -212,29 +212,31 @@ class _Conn(asyncio.Protocol):
 
     def _head_received(self, resp: UpstreamResponse, data: bytes) -> None:
         head = self._head + data if self._head else data
+        at = 0
         while not resp.status:  # interim (1xx) answers are skipped
-            end = head.find(b"\r\n\r\n")
+            end = head.find(b"\r\n\r\n", at)
             if end < 0:
-                self._head = head
-                if len(head) > _MAX_HEAD:
+                self._head = head[at:]
+                if len(self._head) > _MAX_HEAD:
                     self._bad("response head too long")
                 return
-            if not self._feed(memoryview(head)[: end + 4]):
+            if not self._feed(memoryview(head)[at : end + 4]):
                 return
-            head = head[end + 4 :]
+            at = end + 4
         self._head = b""
+        rest = memoryview(head)[at:]  # not a slice: that would copy the first read's body
         if self._dechunker is not None:
-            if head:
-                self._dechunked(resp, head)
+            if rest:
+                self._dechunked(resp, rest)
         elif self._no_body or resp.status in _NO_BODY:
             # bytes after a body-less answer: nothing asked for them, the connection is spent
-            resp.finished(self._keep_alive and not head)
+            resp.finished(self._keep_alive and not rest)
         else:
             self._in_body = True
-            if head:
-                self._feed(head)
+            if rest:
+                self._feed(rest)
 
-    def _dechunked(self, resp: UpstreamResponse, data: bytes) -> None:
+    def _dechunked(self, resp: UpstreamResponse, data: bytes | memoryview) -> None:
         assert self._dechunker is not None
         try:
             resp.received(self._dechunker.feed(data))

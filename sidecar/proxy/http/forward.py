@@ -219,7 +219,11 @@ async def forward_planned(
             content,
             sent=None if deferred is None else deferred.flush,
         )
-        if resp.status == 200 and stream and resp.header("content-type").startswith("text/event-stream"):
+        if (
+            resp.status == 200
+            and stream
+            and resp.header("content-type").startswith("text/event-stream")
+        ):
             headers = _answer_headers(resp, False)
             if stream_sink is not None:
                 sink = stream_sink()

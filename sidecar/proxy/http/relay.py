@@ -69,7 +69,11 @@ class UpstreamStream(Response):
         watch = asyncio.get_running_loop().create_task(self._watch(receive))
         try:
             await send(
-                {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
             )
             if self.transform is not None:
                 async for piece in self.transform(upstream.chunks()):
