@@ -1,4 +1,5 @@
-"""Streams the SGLang proxy relays as they arrive (`proxy.http.relay`).
+"""Streams the SGLang proxy relays as they arrive (`proxy.http.relay`), unchanged ones with the
+upstream's own chunk framing (`relay.RawStream`).
 
 A real proxy process (uvicorn) in front of a byte-exact upstream run in this process: it
 replays a stream the SGLang stand-in (`tests/helpers/fake_sglang.py`; real SGLang needs a GPU)
@@ -204,7 +205,8 @@ def test_client_gets_the_upstream_bytes_cut_anywhere_on_one_keep_alive_connectio
             head, raw = _read_answer(sock)
             assert head.startswith(b"HTTP/1.1 200"), head
             assert b"transfer-encoding: chunked" in head.lower()
-            assert _dechunk(raw) == sse, seed
+            assert raw == up.wire, seed  # the upstream's framing, byte for byte
+            assert _dechunk(raw) == sse
             answers += 1
         # the same connection still serves a plain request after the streams
         sock.sendall(b"GET /timwatch/healthz HTTP/1.1\r\nhost: t\r\n\r\n")
@@ -212,6 +214,7 @@ def test_client_gets_the_upstream_bytes_cut_anywhere_on_one_keep_alive_connectio
         sock.close()
         counters = _counters(proxy)
         held = httpx.get(f"{proxy}/timwatch/records", timeout=30).json()["records"]
+    assert counters["proxy"]["raw_streams"] == answers  # with the upstream's own framing
     assert counters["proxy"]["wire_errors"] == 0
     assert counters["capture"]["captured"] == answers
     # every answer was captured; the replays share one rid, so the store holds one record

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import cast
 from urllib.parse import urlsplit
@@ -58,6 +59,13 @@ class UpstreamResponse:
         self._buffered = 0
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # a chunked body on the C pass, until its reader chose `next` or `push_to`: the raw
+        # reads and how far each may be relayed as it is
+        self._raw: list[tuple[bytes, int]] | None = None
+        self._sink: Callable[[list[bytes | memoryview], bytes], None] | None = None
+        self._sink_error: Exception | None = None
+        self._held = b""  # raw bytes that may be the last chunk's size line
+        self._last_push = 0.0
 
     def header(self, name: str) -> str:
         """The first value of header ``name`` (any case), or ``""``."""
@@ -70,6 +78,8 @@ class UpstreamResponse:
     # the connection's side
     def started(self, status: int, headers: list[tuple[str, str]]) -> None:
         self.status, self.headers = status, headers
+        if self._conn.raw_chunked():
+            self._raw = []
         self._wake()
 
     def received(self, body: bytes) -> None:
@@ -79,6 +89,16 @@ class UpstreamResponse:
             if self._buffered > HIGH_WATER:
                 self._conn.pause_reading()
             self._wake()
+
+    def raw_received(self, data: bytes | memoryview, body: bytes, safe: int) -> None:
+        """One read of a chunked body on the C pass: ``data`` as it came, the ``body`` it
+        carries, how much of it may be relayed as it is (`dechunk.Dechunker.feed_raw`)."""
+        if self._sink is not None:
+            self._push(data, body, safe)
+            return
+        if self._raw is not None:
+            self._raw.append((bytes(data), safe))
+        self.received(body)
 
     def finished(self, keep_alive: bool) -> None:
         if not self.done and self._error is None:
@@ -96,10 +116,10 @@ class UpstreamResponse:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _wait(self) -> None:
+    async def _wait(self, timeout: float | None = None) -> None:
         self._waiter = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(self._waiter, self._timeout)
+            await asyncio.wait_for(self._waiter, self._timeout if timeout is None else timeout)
         except asyncio.TimeoutError:
             raise UpstreamError("upstream read timed out", timeout=True) from None
         finally:
@@ -117,6 +137,7 @@ class UpstreamResponse:
         """All body bytes that arrived since the last call, waiting for some; None once the
         body ended. Raises `UpstreamError` if it broke off or no read came within the timeout
         (counted from the call)."""
+        self._raw = None
         while True:
             body = self._body
             if body:
@@ -130,6 +151,75 @@ class UpstreamResponse:
             if self._error is not None:
                 raise self._error
             await self._wait()
+
+    @property
+    def raw(self) -> bool:
+        """The body is chunked, on the C pass, and nothing of it was read yet: `push_to` can
+        hand it on with its framing."""
+        return self._raw is not None
+
+    def push_to(self, sink: Callable[[list[bytes | memoryview], bytes], None]) -> None:
+        """Hand a `raw` body to ``sink`` read by read, inside the connection's receive
+        callback: the raw bytes a client can be sent as they are (framing kept; never the last
+        chunk, ``0``, trailer and empty line: whoever relays writes its own) and the body bytes
+        they carry. A read is given on at once, while it is in the CPU's caches, and the caller
+        is woken only when the body ends, fails or reading paused (`pushed`)."""
+        assert self._raw is not None, "push_to needs a raw body not read yet"
+        kept, self._raw = self._raw, None
+        self._sink, self._last_push = sink, time.monotonic()
+        if kept:  # what arrived before: its body is in `_body` already
+            body = b"".join(self._body)
+            self._body.clear()
+            self._buffered = 0
+            for i, (data, safe) in enumerate(kept):
+                self._push(data, body if i == len(kept) - 1 else b"", safe)
+
+    def _push(self, data: bytes | memoryview, body: bytes, safe: int) -> None:
+        held = self._held
+        if safe < 0:  # a size line that may be the last chunk's, until it is known
+            self._held = held + data
+            pieces: list[bytes | memoryview] = []
+        else:
+            pieces = [held] if held else []
+            pieces.append(data if safe == len(data) else memoryview(data)[:safe])
+            self._held = bytes(data[safe:]) if safe < len(data) else b""
+        assert self._sink is not None
+        try:
+            self._sink(pieces, body)
+        except Exception as exc:  # the relay's own failure: `pushed` raises it
+            self._sink_error = exc
+            self._conn.close()
+        self._last_push = time.monotonic()
+        if self._sink_error is not None or self._conn.reading_paused():
+            self._wake()  # else the relay has nothing to do: waking it per read cost a step
+
+    async def pushed(self) -> bool:
+        """After `push_to`: wait until the body is complete (False) or reading paused (True:
+        resume it with `Upstream`'s connection when the client can take more). Raises
+        `UpstreamError` if the body breaks off or no read comes within the timeout (counted
+        from the last read), and what the sink raised."""
+        while True:
+            if self._sink_error is not None:
+                raise self._sink_error
+            if self.done:
+                return False
+            if self._error is not None:
+                raise self._error
+            if self._conn.reading_paused():
+                return True
+            since = self._last_push
+            left = None if self._timeout is None else self._timeout - (time.monotonic() - since)
+            try:
+                await self._wait(None if left is None else max(left, 0.0))
+            except UpstreamError as exc:
+                if not exc.timeout or self._last_push == since:
+                    raise  # reads that came meanwhile restart the timeout
+
+    def pause_reading(self) -> None:
+        self._conn.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._conn.resume_reading()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (`next` until the end)."""
@@ -239,7 +329,8 @@ class _Conn(asyncio.Protocol):
     def _dechunked(self, resp: UpstreamResponse, data: bytes | memoryview) -> None:
         assert self._dechunker is not None
         try:
-            resp.received(self._dechunker.feed(data))
+            body, safe = self._dechunker.feed_raw(data)
+            resp.raw_received(data, body, safe)
         except dechunk.DechunkError as exc:
             self._bad(str(exc))
             return
@@ -293,6 +384,12 @@ class _Conn(asyncio.Protocol):
             resp.finished(self._keep_alive)
 
     # flow control and the end of an answer
+    def raw_chunked(self) -> bool:
+        return self._dechunker is not None
+
+    def reading_paused(self) -> bool:
+        return self._paused
+
     def pause_reading(self) -> None:
         if not self._paused and self.transport is not None:
             self.transport.pause_reading()

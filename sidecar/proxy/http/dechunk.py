@@ -52,9 +52,17 @@ class Dechunker:
 
     def feed(self, data: bytes | memoryview) -> bytes:
         """The body bytes ``data`` carries; raises `DechunkError` on broken framing."""
-        body: bytes = self._dechunk(data, self._state)
-        phase = self._state[0]
+        return self.feed_raw(data)[0]
+
+    def feed_raw(self, data: bytes | memoryview) -> tuple[bytes, int]:
+        """The body bytes ``data`` carries, and how far the bytes fed so far may be relayed
+        to a client as they are, counted from the start of ``data``: everything but the last
+        chunk (``0`` size line, trailer, empty line) and a size line that may still be it.
+        Negative when such a line began in an earlier read (those bytes are still held)."""
+        state = self._state
+        body: bytes = self._dechunk(data, state)
+        phase = state[0]
         if phase == _ERROR and data:
             raise DechunkError("bad chunked encoding from upstream")
         self.done = phase == _DONE
-        return body
+        return body, state[4]

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..capture import CaptureStore
 from .client import Upstream, UpstreamError, UpstreamResponse
-from .relay import StreamSink, UpstreamStream
+from .relay import RawStream, StreamSink, UpstreamStream
 
 __all__ = [
     "ALL_METHODS",
@@ -227,7 +227,7 @@ async def forward_planned(
             headers = _answer_headers(resp, False)
             if stream_sink is not None:
                 sink = stream_sink()
-                return UpstreamStream(
+                return RawStream(
                     resp, status_code=200, headers=headers, counters=state.counters, sink=sink
                 )
             return UpstreamStream(

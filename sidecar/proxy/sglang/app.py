@@ -41,6 +41,7 @@ from ..http.forward import (
     settle_captures,
     upstream_client,
 )
+from ..http.relay import ProxyApp
 from ..records import HeldRecord
 from ..warmup import warm_up
 from .answers import Capturer, answer_parts
@@ -86,6 +87,7 @@ class ProxyState:
             "wire_errors": 0,
             "upstream_errors": 0,
             "partial_streams": 0,
+            "raw_streams": 0,
         }
         self.capturer = Capturer(self.commit, self.counters, vocab_size)
 
@@ -208,6 +210,6 @@ def create_app(
         Route("/generate", _generate, methods=["POST", "PUT"]),
         Route("/{path:path}", passthrough, methods=ALL_METHODS),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = ProxyApp(routes=routes, lifespan=lifespan)
     app.state.proxy = state
     return app
