@@ -6,8 +6,8 @@ orjson bytes, ``return_logprob``, no top-k). Timed, best of ``--repeat`` calls:
 * ``triples_f64``: the ``[[logprob,id,null],...]`` list of one non-streamed answer read into an
   id array and a float64 array;
 * ``dechunk``: one incremental stream's chunked body undone, in reads of ``--read`` bytes, and
-  its first frames read one chunk per read (what a proxy keeping up with an engine reads; on
-  numba such a read is taken apart in Python, `dechunk._one_chunk`);
+  its first frames read one chunk per read (what a proxy keeping up with an engine reads); the
+  C pass, and where it is off llhttp's callbacks (the upstream client's fallback);
 * ``scan_deltas``: the same stream's de-chunked reads cut into frames and read (the frame begun
   at the end of one read joined to the next, as `relay.StreamReads` does);
 * ``capture``: the whole capture of that stream as the raw relay feeds it
@@ -31,18 +31,40 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import httptools  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 import sglang_standin as standin  # noqa: E402
 
 from timwatch.sidecar.proxy import native  # noqa: E402
-from timwatch.sidecar.proxy.http.dechunk import Dechunker  # noqa: E402
+from timwatch.sidecar.proxy.http import dechunk as dechunk_mod  # noqa: E402
 from timwatch.sidecar.proxy.jsonbytes.numbers import POW5, triples_f64  # noqa: E402
 from timwatch.sidecar.proxy.records import HeldRecord  # noqa: E402
 from timwatch.sidecar.proxy.sglang import stream as relay  # noqa: E402
 from timwatch.sidecar.proxy.sglang.answers import Capturer  # noqa: E402
 from timwatch.sidecar.proxy.sglang.deltascan import scan_deltas, warm_up  # noqa: E402
 from timwatch.sidecar.proxy.sglang.wire import plan_request  # noqa: E402
+
+
+def _dechunker() -> Callable[[bytes], bytes]:
+    """The upstream client's de-chunking: the C pass, or llhttp's callbacks where it is off."""
+    if dechunk_mod.available():
+        return dechunk_mod.Dechunker().feed
+    got: list[bytes] = []
+
+    class Sink:
+        on_body = got.append
+
+    parser = httptools.HttpResponseParser(Sink())
+    parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+
+    def feed(data: bytes) -> bytes:
+        parser.feed_data(data)
+        body = b"".join(got)
+        got.clear()
+        return body
+
+    return feed
 
 
 def best_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -74,8 +96,8 @@ def main() -> None:
     assert count == n, count
 
     def dechunk() -> list[bytes]:
-        d = Dechunker()
-        return [d.feed_raw(r)[0] for r in reads]
+        feed = _dechunker()
+        return [feed(r) for r in reads]
 
     bodies = dechunk()
 
@@ -123,9 +145,9 @@ def main() -> None:
         at = end
 
     def one_frame() -> None:
-        d = Dechunker()
+        feed = _dechunker()
         for read in one_chunk_reads:
-            d.feed_raw(read)
+            feed(read)
 
     rows = (
         (f"dechunk ({len(one_chunk_reads)} one-frame reads)", one_frame),

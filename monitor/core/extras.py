@@ -17,7 +17,7 @@ import importlib.util
 __all__ = ["COMMANDS", "EXTRAS", "extra_for", "hint", "missing_for", "with_hint"]
 
 _CLI = frozenset({"typer", "rich", "orjson"})
-_PROXY = _CLI | {"starlette", "uvicorn", "httptools", "numba", "httpx"}
+_PROXY = _CLI | {"starlette", "uvicorn", "httptools"}
 _SERVER = _CLI | {
     "fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "sqlalchemy",
     "alembic", "numba", "llvmlite", "safetensors", "httpx",

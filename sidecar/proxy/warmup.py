@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Literal
 
 from ...monitor.core.jitguard import seal_after_warm_up
-from .http import dechunk
 from .jsonbytes import numbers as numparse
 from .jsonbytes import scan
 from .jsonbytes import span as jsonspan
@@ -20,12 +19,11 @@ __all__ = ["warm_up"]
 
 
 def warm_up(engine: Literal["sglang", "vllm"]) -> None:
-    """Compile what `engine`'s proxy runs (and the chunked-body reader both use), then
+    """Compile what `engine`'s proxy runs , then
     `seal_after_warm_up` over every compiled module of the proxies: a scanner one proxy never
     warms must not compile inside its requests either."""
-    dechunk.warm_up()
     if engine == "sglang":
         deltascan.warm_up()
     else:
         vllm_edit.warm_up()
-    seal_after_warm_up([dechunk, deltascan, jsonspan, numparse, scan, vllm_edit])
+    seal_after_warm_up([deltascan, jsonspan, numparse, scan, vllm_edit])

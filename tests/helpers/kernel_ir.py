@@ -54,7 +54,6 @@ WORKERS: list[tuple[str, str]] = [
     ("timwatch.sidecar.proxy.jsonbytes.scan", "_frames_into"),
     ("timwatch.sidecar.proxy.jsonbytes.span", "_walk_into"),
     ("timwatch.sidecar.proxy.jsonbytes.span", "_member_numbers_into"),
-    ("timwatch.sidecar.proxy.http.dechunk", "_dechunk"),
     ("timwatch.monitor.core.kernels", "_vector_phase"),
     ("timwatch.monitor.core.kernels_walk", "walk_chunk"),
     ("timwatch.monitor.core.kernels_walk", "fold_fine"),
@@ -68,7 +67,6 @@ def compile_workers() -> None:
     """Call what compiles every worker of `WORKERS`: the engine in its float32 specialisation
     only (its float64 one is the same code; compiling both doubles the ~70 s this takes)."""
     from timwatch.monitor.core import engine
-    from timwatch.sidecar.proxy.http import dechunk
     from timwatch.sidecar.proxy.jsonbytes import scan
     from timwatch.sidecar.proxy.jsonbytes import span as jsonspan
     from timwatch.sidecar.proxy.sglang import deltascan
@@ -82,7 +80,6 @@ def compile_workers() -> None:
         versions=np.zeros(n, np.int64), policy_version=0, logp_old=np.full(n, -0.45),
     )  # fmt: skip
     engine.accumulate(tiny, threads=1)
-    dechunk.warm_up()  # the numba pass too where the C code de-chunks
     doc = jsonspan.u8(b'{"a":[{"k":1},{"k":2.5}],"b":"x"}')
     jsonspan.walk(doc, 8, 8)
     jsonspan.member_numbers(doc, 5, np.frombuffer(b"k", np.uint8).copy())

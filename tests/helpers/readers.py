@@ -1,6 +1,7 @@
 """The stream reader's two implementations, for test modules that must pass on both: the C
-code (`proxy.native`) and the numba code it mirrors. A module that imports `stream_reader` and
-sets ``pytestmark = pytest.mark.usefixtures("stream_reader")`` runs its tests once on each.
+code (`proxy.native`) and the fallback that runs where it was not built (llhttp de-chunks).
+A module that imports `stream_reader` and sets
+``pytestmark = pytest.mark.usefixtures("stream_reader")`` runs its tests once on each.
 Where the C code was not built (no compiler at install), its half is skipped, except in CI or
 with ``TIMWATCH_NATIVE=1``, where it fails."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import httptools
 import pytest
 
 from timwatch.sidecar.proxy import native
@@ -22,7 +24,7 @@ def require_c() -> None:
         pytest.skip("timwatch's C stream reader was not built here (no C compiler at install)")
 
 
-@pytest.fixture(scope="module", params=["c", "numba"])
+@pytest.fixture(scope="module", params=["c", "fallback"])
 def stream_reader(request: pytest.FixtureRequest) -> Iterator[str]:
     """The implementation this module's tests run on, switched on for the module."""
     if request.param == "c":
@@ -30,3 +32,29 @@ def stream_reader(request: pytest.FixtureRequest) -> Iterator[str]:
     before = native.use_native(request.param == "c")
     yield request.param
     native.use_native(before)
+
+
+class _Body:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.done = False
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+def httptools_dechunk(reads: list[bytes]) -> tuple[bytes, bool] | str:
+    """What llhttp (httptools) makes of a chunked body fed in ``reads``: the body and whether
+    it ended, or ``"error"`` where it refused the framing (the fallback's de-chunking)."""
+    got = _Body()
+    parser = httptools.HttpResponseParser(got)
+    parser.feed_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+    try:
+        for data in reads:
+            parser.feed_data(data)
+    except httptools.HttpParserError:
+        return "error"
+    return b"".join(got.parts), got.done

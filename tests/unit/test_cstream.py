@@ -1,7 +1,7 @@
 """`proxy.native._cstream`, the stream reader's C code, against the numba code it mirrors
-(`deltascan._scan_deltas`, `dechunk._dechunk`): answer for answer on generated streams, cut
-anywhere and with bytes changed anywhere, and on hand-written cases whose answers are worked
-out here. (`test_deltascan.py` and `test_dechunk.py` run all their tests on both too.)"""
+(`deltascan._scan_deltas`): answer for answer on generated streams, cut anywhere and with bytes
+changed anywhere, and on hand-written cases whose answers are worked out here. (`test_deltascan.py`
+runs all its tests on both too; `test_dechunk.py` compares the C de-chunker with llhttp.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from tests.helpers.readers import require_c
 from tests.unit.test_deltascan import _LOGPS, _TEXTS, _frame
-from timwatch.sidecar.proxy.http import dechunk
 from timwatch.sidecar.proxy.jsonbytes.numbers import POW5
 from timwatch.sidecar.proxy.sglang import deltascan
 
@@ -97,15 +96,6 @@ def test_generated_streams_cut_and_changed_anywhere_read_as_numba_reads_them(
     assert _c_scan(bytes(buf), small) == _numba_scan(bytes(buf), small)
 
 
-def _numba_dechunk(reads: list[bytes]) -> list[tuple[bytes, list[int]]]:
-    state, out = np.zeros(5, np.int64), []
-    for data in reads:
-        body = np.empty(len(data), np.uint8)
-        got = dechunk._dechunk(np.frombuffer(data or b"\0", np.uint8)[: len(data)], body, state)
-        out.append((body[:got].tobytes(), state.tolist()))
-    return out
-
-
 def _c_dechunk(reads: list[bytes]) -> list[tuple[bytes, list[int]]]:
     state, out = np.zeros(5, np.int64), []
     for data in reads:
@@ -122,26 +112,6 @@ def test_dechunk_by_hand() -> None:
     so 9 may go."""
     reads = [b"5\r\nhello\r\n3", b";x\r\nabc\r\n0\r\n\r\n"]
     assert _c_dechunk(reads) == [(b"hello", [0, 3, 1, -1, 11]), (b"abc", [10, 0, 1, -5, 9])]
-
-
-@settings(max_examples=400, deadline=None)
-@given(
-    st.lists(st.binary(min_size=0, max_size=30), min_size=1, max_size=6),
-    st.sampled_from([b"%x", b"%X", b"%x;ext=1", b"%04x"]),
-    st.data(),
-)
-def test_generated_chunked_bodies_cut_and_changed_anywhere_dechunk_as_numba(
-    parts: list[bytes], size: bytes, data: st.DataObject
-) -> None:
-    wire = bytearray(b"".join((size % len(p)) + b"\r\n" + p + b"\r\n" for p in parts if p))
-    wire += b"0\r\n\r\n"
-    for _ in range(data.draw(st.integers(0, 2))):
-        at = data.draw(st.integers(0, len(wire) - 1))
-        wire[at] = data.draw(st.sampled_from(b"\r\n0aF;x "))
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=4)))
-    edges = [0, *cuts, len(wire)]
-    reads = [bytes(wire[a:b]) for a, b in zip(edges, edges[1:], strict=False)]
-    assert _c_dechunk(reads) == _numba_dechunk(reads)
 
 
 @pytest.mark.parametrize(

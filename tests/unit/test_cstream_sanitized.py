@@ -29,7 +29,8 @@ _FUZZ = textwrap.dedent(
     sys.modules[spec.name] = mod
     native._cstream = native._built = native._use = mod
     assert native.cstream() is mod
-    from tests.unit.test_cstream import _c_dechunk, _c_scan, _numba_dechunk, _numba_scan
+    from tests.helpers.readers import httptools_dechunk
+    from tests.unit.test_cstream import _c_dechunk, _c_scan, _numba_scan
     from tests.unit.test_deltascan import _frame, _stream
 
     rng = random.Random(int(sys.argv[2]))
@@ -53,7 +54,9 @@ _FUZZ = textwrap.dedent(
         assert _c_scan(buf, small) == _numba_scan(buf, small), (buf, small)
         cut = rng.randrange(len(buf) + 1)
         reads = [buf[:cut], buf[cut:]]
-        assert _c_dechunk(reads) == _numba_dechunk(reads), reads
+        got = _c_dechunk(reads)
+        if got[-1][1][0] == 10:  # done: llhttp reads the same body
+            assert b"".join(b for b, _ in got) == httptools_dechunk(reads)[0], reads
     print("clean", sys.argv[3])
     """
 )

@@ -234,7 +234,7 @@ def test_broken_chunked_framing_is_an_upstream_error_and_drops_the_connection() 
             for _ in range(2):
                 resp = await up.request("POST", "/generate", [], b"{}")
                 got = []
-                with pytest.raises(UpstreamError, match="chunked"):
+                with pytest.raises(UpstreamError, match="chunk"):  # C pass or llhttp
                     async for c in resp.chunks():
                         got.append(c)
                 resp.release()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from timwatch.sidecar.proxy.http.client import _Conn
+from timwatch.sidecar.proxy.http.client import Upstream, _Conn
 
 
 class _DuckTransport:
@@ -29,7 +29,7 @@ class _DuckTransport:
 def test_a_transport_that_is_no_asyncio_transport_is_kept() -> None:
     transport = _DuckTransport()
     assert not isinstance(transport, asyncio.Transport)
-    conn = _Conn()
+    conn = _Conn(Upstream("http://127.0.0.1:1", timeout_s=1))
     conn.connection_made(transport)  # type: ignore[arg-type]
     assert conn.transport is transport
     conn.close()

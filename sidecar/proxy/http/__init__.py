@@ -1,1 +1,1 @@
-"""The proxies' HTTP: the upstream client, de-chunking, forwarding and the raw relay."""
+"""The proxies' HTTP: the one upstream client, de-chunking, forwarding and the relay."""

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from typing import Protocol
 
-import httpx
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from ..capture import CaptureStore
 from .client import Upstream, UpstreamError, UpstreamResponse
-from .rawrelay import RawStreamResponse, StreamSink
+from .relay import RawStream, StreamSink, UpstreamStream
 
 __all__ = [
     "ALL_METHODS",
@@ -35,7 +34,7 @@ __all__ = [
     "healthz",
     "passthrough",
     "relay",
-    "upstream_clients",
+    "upstream_client",
 ]
 
 HOP_BY_HOP = frozenset(
@@ -53,6 +52,8 @@ HOP_BY_HOP = frozenset(
 )
 # uvicorn writes its own; forwarding the upstream's would duplicate them.
 RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
+# the client sets a request's framing itself
+REQUEST_DROP = HOP_BY_HOP | {"content-length", "expect"}
 ALL_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
 log = logging.getLogger(__name__)
@@ -107,70 +108,71 @@ class ProxyState(Protocol):
     upstream: str
     capture: CaptureStore
     counters: dict[str, int]
-    timeout: httpx.Timeout
     timeout_s: float | None
-    client: httpx.AsyncClient | None
-    generate_upstream: Upstream | None
     deferred: DeferredCaptures | None
 
-    def http(self) -> httpx.AsyncClient: ...
+    def client(self) -> Upstream: ...
 
-    def generate_client(self) -> Upstream: ...
+    def set_client(self, client: Upstream | None) -> None: ...
 
 
 @asynccontextmanager
-async def upstream_clients(state: ProxyState) -> AsyncIterator[httpx.AsyncClient]:
-    """Open the proxy's two upstream clients (httpx for relays and probes, `Upstream` for
-    planned requests) on ``state`` for the app's lifetime; closed and unset on exit."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    async with httpx.AsyncClient(timeout=state.timeout, limits=limits) as client:
-        state.client = client
-        state.generate_upstream = Upstream(state.upstream, timeout_s=state.timeout_s)
-        yield client
-        settle_captures(state)
-        await state.generate_upstream.aclose()
-        state.client = state.generate_upstream = None
-
-
-def _request_headers(request: Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-
-
-def _response_headers(resp: httpx.Response, *, keep_length: bool) -> dict[str, str]:
-    drop = RESPONSE_DROP if keep_length else RESPONSE_DROP | {"content-length"}
-    return {k: v for k, v in resp.headers.items() if k.lower() not in drop}
-
-
-def _target(state: ProxyState, request: Request, path: str) -> str:
-    query = request.url.query
-    return f"{state.upstream}{path}" + (f"?{query}" if query else "")
-
-
-def _gateway_error(exc: httpx.HTTPError, upstream: str) -> Response:
-    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-    message = f"timwatch sidecar: upstream {upstream} failed: {type(exc).__name__}: {exc}"
-    return JSONResponse({"error": {"message": message}}, status_code=status)
-
-
-async def relay(state: ProxyState, request: Request, content: Any, path: str) -> Response:
-    """Forward one request untouched and stream the upstream's answer back untouched."""
-    client = state.http()
-    req = client.build_request(
-        request.method,
-        _target(state, request, path),
-        headers=_request_headers(request),
-        content=content,
-    )
+async def upstream_client(state: ProxyState) -> AsyncIterator[Upstream]:
+    """Open the proxy's upstream client on ``state`` for the app's lifetime; closed on exit."""
+    client = Upstream(state.upstream, timeout_s=state.timeout_s)
+    state.set_client(client)
     try:
-        resp = await client.send(req, stream=True)
-    except httpx.HTTPError as exc:
-        state.counters["upstream_errors"] += 1
-        return _gateway_error(exc, state.upstream)
-    return StreamingResponse(
-        resp.aiter_raw(),
-        status_code=resp.status_code,
-        headers=_response_headers(resp, keep_length=True),
-        background=BackgroundTask(resp.aclose),
+        yield client
+    finally:
+        settle_captures(state)
+        await client.aclose()
+        state.set_client(None)
+
+
+def _request_headers(request: Request, drop: frozenset[str]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+
+
+def _answer_headers(resp: UpstreamResponse, keep_length: bool) -> dict[str, str]:
+    # a 204 or 304 has no body whatever its content-length says, and the server checks it
+    keep = keep_length and resp.status not in (204, 304)
+    drop = RESPONSE_DROP if keep else RESPONSE_DROP | {"content-length"}
+    return {k: v for k, v in resp.headers if k.lower() not in drop}
+
+
+def _target(request: Request, path: str) -> str:
+    query = request.url.query
+    return path + (f"?{query}" if query else "")
+
+
+def _upstream_error(state: ProxyState, exc: UpstreamError) -> Response:
+    state.counters["upstream_errors"] += 1
+    message = f"timwatch sidecar: upstream {state.upstream} failed: {exc}"
+    return JSONResponse({"error": {"message": message}}, status_code=504 if exc.timeout else 502)
+
+
+async def relay(
+    state: ProxyState, request: Request, content: bytes | AsyncIterable[bytes], path: str
+) -> Response:
+    """Forward one request untouched and stream the upstream's answer back untouched."""
+    length = request.headers.get("content-length")
+    if length is None and "transfer-encoding" not in request.headers:
+        content = b""  # RFC 9112 §6.3: a request with neither header has no body
+    try:
+        resp = await state.client().request(
+            request.method,
+            _target(request, path),
+            _request_headers(request, REQUEST_DROP),
+            content,
+            length=None if length is None else int(length),
+        )
+    except UpstreamError as exc:
+        return _upstream_error(state, exc)
+    return UpstreamStream(
+        resp,
+        status_code=resp.status,
+        headers=_answer_headers(resp, keep_length=True),
+        counters=state.counters,
     )
 
 
@@ -188,30 +190,6 @@ async def _run_now(capture: Callable[[], None]) -> None:
         log.exception("capture failed")
 
 
-def _planned_headers(request: Request) -> list[tuple[str, str]]:
-    # The proxy parses the answers to planned requests, so it asks for them uncompressed.
-    drop = HOP_BY_HOP | {"accept-encoding", "content-length"}
-    return [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
-
-
-def _answer_headers(resp: UpstreamResponse, keep_length: bool) -> dict[str, str]:
-    drop = RESPONSE_DROP if keep_length else RESPONSE_DROP | {"content-length"}
-    return {k: v for k, v in resp.headers if k.lower() not in drop}
-
-
-def _upstream_error(exc: UpstreamError, upstream: str) -> Response:
-    message = f"timwatch sidecar: upstream {upstream} failed: {exc}"
-    return JSONResponse({"error": {"message": message}}, status_code=504 if exc.timeout else 502)
-
-
-async def _closing(chunks: AsyncIterator[bytes], resp: UpstreamResponse) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        resp.release()
-
-
 async def forward_planned(
     state: ProxyState,
     request: Request,
@@ -220,59 +198,54 @@ async def forward_planned(
     stream: bool,
     relay_chunks: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]],
     answer: Callable[[bytes], tuple[bytes, Callable[[], None] | None]],
-    raw_capture: Callable[[], StreamSink] | None = None,
+    stream_sink: Callable[[], StreamSink] | None = None,
 ) -> Response:
     """Send ``content`` (the planned body) upstream and answer the client.
 
-    A 200 event stream is relayed through ``relay_chunks`` when ``stream`` is true; any other
-    200 answer is read whole and ``answer`` gives the client's bytes and the capture to run
-    after they are written (by ``state.deferred`` when it has one). Failures and non-200
-    answers count as ``upstream_errors``. With ``raw_capture`` (the proxy changed nothing in
-    the request) a chunked stream may be relayed with the upstream's framing
-    (`proxy.http.rawrelay.RawStreamResponse`), its body fed to what ``raw_capture`` makes.
+    A 200 event stream is relayed when ``stream`` is true: through ``relay_chunks``, or, with
+    ``stream_sink`` (the proxy changed nothing in the request), piece by piece as it arrived,
+    each piece fed after it went out to what ``stream_sink`` makes. Any other 200 answer is
+    read whole and ``answer`` gives the client's bytes and the capture to run after they are
+    written (by ``state.deferred`` when it has one). Failures and non-200 answers count as
+    ``upstream_errors``; a non-200 answer is passed back as it came.
     """
-    query = request.url.query
     deferred = state.deferred
     try:
-        resp = await state.generate_client().request(
+        resp = await state.client().request(
             request.method,
-            request.url.path + (f"?{query}" if query else ""),
-            _planned_headers(request),
+            _target(request, request.url.path),
+            # the proxy parses the answers to planned requests, so it asks for them plain
+            _request_headers(request, REQUEST_DROP | {"accept-encoding"}),
             content,
             sent=None if deferred is None else deferred.flush,
         )
-    except UpstreamError as exc:
-        state.counters["upstream_errors"] += 1
-        return _upstream_error(exc, state.upstream)
-    if resp.status != 200:
-        state.counters["upstream_errors"] += 1
-        try:
-            body = await resp.read()
-        except UpstreamError as exc:
-            return _upstream_error(exc, state.upstream)
-        finally:
-            resp.release()
-        return Response(body, status_code=resp.status, headers=_answer_headers(resp, True))
-    if stream and resp.header("content-type").startswith("text/event-stream"):
-        relayed = _closing(relay_chunks(resp.chunks()), resp)
-        headers = _answer_headers(resp, False)
-        if raw_capture is not None and resp.chunked:
-            return RawStreamResponse(
+        if (
+            resp.status == 200
+            and stream
+            and resp.header("content-type").startswith("text/event-stream")
+        ):
+            headers = _answer_headers(resp, False)
+            if stream_sink is not None:
+                sink = stream_sink()
+                return RawStream(
+                    resp, status_code=200, headers=headers, counters=state.counters, sink=sink
+                )
+            return UpstreamStream(
                 resp,
-                relayed,
-                raw_capture,
-                status_code=resp.status,
+                status_code=200,
                 headers=headers,
                 counters=state.counters,
+                transform=relay_chunks,
             )
-        return StreamingResponse(relayed, status_code=resp.status, headers=headers)
-    try:
-        body = await resp.read()
+        try:
+            body = await resp.read()
+        finally:
+            resp.release()
     except UpstreamError as exc:
+        return _upstream_error(state, exc)
+    if resp.status != 200:
         state.counters["upstream_errors"] += 1
-        return _upstream_error(exc, state.upstream)
-    finally:
-        resp.release()
+        return Response(body, status_code=resp.status, headers=_answer_headers(resp, True))
     client, capture = answer(body)
     if capture is not None and deferred is not None:
         deferred.add(capture)

@@ -24,6 +24,7 @@ arrays as raw little-endian bytes: output ids (int64 Ã— n), log-probs (float64 Ã
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import struct
@@ -31,8 +32,8 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 
 from ..capture import CaptureStore
@@ -172,10 +173,7 @@ class PeerClient:
     ) -> None:
         me = _address(self_url) if self_url else None
         self.urls = list(dict.fromkeys(u.rstrip("/") for u in urls if _address(u) != me))
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)),
-            limits=httpx.Limits(max_connections=4 * max(1, len(self.urls))),
-        )
+        self.timeout_s = timeout_s
         # several reports (trainer ranks) may fan out at once: 4 takes in flight per peer
         self._pool = ThreadPoolExecutor(4 * max(1, len(self.urls)), thread_name_prefix="peer-take")
         self._lock = threading.Lock()
@@ -200,12 +198,8 @@ class PeerClient:
 
     def _take(self, url: str, body: bytes) -> list[tuple[int, RolloutRecord]]:
         try:
-            resp = self._client.post(
-                url + TAKE_PATH, content=body, headers={"Content-Type": "application/json"}
-            )
-            resp.raise_for_status()
-            got = decode_records(resp.content)
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            got = decode_records(_post(url + TAKE_PATH, body, self.timeout_s))
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as exc:
             with self._lock:
                 self._stats[url]["requests"] += 1
                 self._stats[url]["errors"] += 1
@@ -223,4 +217,21 @@ class PeerClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        self._client.close()
+
+
+def _post(url: str, body: bytes, timeout_s: float) -> bytes:
+    """POST ``body`` as JSON to ``url`` on a connection of its own (a take is one request per
+    trainer report, from a worker thread); the answer's body, or ``OSError`` unless 200."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"peer must be an http:// URL, got {url!r}")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+    try:
+        conn.request("POST", parts.path, body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise OSError(f"{resp.status} {resp.reason}")
+    return data

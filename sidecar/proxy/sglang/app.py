@@ -23,7 +23,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -40,9 +39,9 @@ from ..http.forward import (
     passthrough,
     relay,
     settle_captures,
-    upstream_clients,
+    upstream_client,
 )
-from ..http.rawrelay import ProxyApp
+from ..http.relay import ProxyApp
 from ..records import HeldRecord
 from ..warmup import warm_up
 from .answers import Capturer, answer_parts
@@ -77,26 +76,28 @@ class ProxyState:
         self.probe_rate = probe_rate
         self.vocab_size = vocab_size
         self.capture = capture
-        self.timeout = httpx.Timeout(timeout_s, connect=min(timeout_s or 10.0, 10.0))
         self.timeout_s = timeout_s
-        self.client: httpx.AsyncClient | None = None
-        self.generate_upstream: Upstream | None = None
+        self._client: Upstream | None = None
         # the SGLang proxy sets one (create_app); the vLLM proxy captures right after sending
         self.deferred: DeferredCaptures | None = None
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
-        self.counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0, "raw_streams": 0}
+        self.counters = {
+            "requests": 0,
+            "wire_errors": 0,
+            "upstream_errors": 0,
+            "partial_streams": 0,
+            "raw_streams": 0,
+        }
         self.capturer = Capturer(self.commit, self.counters, vocab_size)
 
-    def http(self) -> httpx.AsyncClient:
-        if self.client is None:
+    def client(self) -> Upstream:
+        if self._client is None:
             raise RuntimeError("proxy client not started (lifespan not run)")
-        return self.client
+        return self._client
 
-    def generate_client(self) -> Upstream:
-        if self.generate_upstream is None:
-            raise RuntimeError("proxy client not started (lifespan not run)")
-        return self.generate_upstream
+    def set_client(self, client: Upstream | None) -> None:
+        self._client = client
 
     def commit(self, record: HeldRecord) -> None:
         self.capture.add(record)
@@ -122,7 +123,7 @@ async def _generate(request: Request) -> Response:
         stream=plan.stream,
         relay_chunks=lambda chunks: relay_stream(state.capturer, plan, chunks),
         answer=lambda content: answer_parts(state.capturer, plan, content),
-        raw_capture=None if plan.changed else lambda: stream_capture(state.capturer, plan),
+        stream_sink=None if plan.changed else lambda: stream_capture(state.capturer, plan),
     )
 
 
@@ -184,7 +185,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with upstream_clients(state) as client:
+        async with upstream_client(state) as client:
             warm_up("sglang")  # compile the byte path's scanners now, not on the first request
             # Everything allocated so far lives as long as the proxy: keep it out of the
             # collector's scans, which then only walk what requests allocate.
@@ -192,7 +193,6 @@ def create_app(
             if probe_rate > 0.0:
                 state.prober = Prober(
                     client,
-                    state.upstream,
                     probe_rate,
                     topk=topk or DEFAULT_PROBE_TOPK,
                     sink=state.probe_sink,

@@ -31,8 +31,9 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-import httpx
+import orjson
 
+from ..http.client import Upstream, UpstreamError
 from ..records import RolloutRecord, topk_entropy_bounds
 from .wire import WireError, parse_logprob_triples
 
@@ -156,8 +157,7 @@ class Prober:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
-        upstream: str,
+        client: Upstream,
         rate: float,
         *,
         topk: int = DEFAULT_PROBE_TOPK,
@@ -168,7 +168,6 @@ class Prober:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"probe rate must be in [0, 1], got {rate}")
         self.client = client
-        self.upstream = upstream.rstrip("/")
         self.rate = rate
         self.topk = topk
         self.sink = sink
@@ -203,11 +202,17 @@ class Prober:
             "logprob_start_len": 0,
             "top_logprobs_num": self.topk,
         }
+        headers = [("content-type", "application/json")]
         try:
-            resp = await self.client.post(f"{self.upstream}/generate", json=body)
-            resp.raise_for_status()
-            result = parse_probe_answer(record, resp.json())
-        except (httpx.HTTPError, ValueError) as exc:
+            resp = await self.client.request("POST", "/generate", headers, orjson.dumps(body))
+            try:
+                answer = await resp.read()
+            finally:
+                resp.release()
+            if resp.status != 200:
+                raise UpstreamError(f"{resp.status} from {self.client.url}/generate")
+            result = parse_probe_answer(record, orjson.loads(answer))
+        except (UpstreamError, ValueError) as exc:
             self.counters["failed"] += 1
             log.warning("prefill probe for rid %s failed: %s", record.rid, exc)
         else:

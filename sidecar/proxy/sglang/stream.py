@@ -231,7 +231,7 @@ async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> Async
 def stream_capture(cap: Capturer, plan: RequestPlan) -> StreamReads:
     """What captures an unchanged request's stream from its body bytes, fed read by read and
     closed at its end, when something else relays the bytes to the client
-    (`proxy.http.rawrelay`)."""
+    (`proxy.http.relay.UpstreamStream`)."""
     return StreamReads(_Stream(cap, plan))
 
 

@@ -38,7 +38,7 @@ from ..http.forward import (
     healthz,
     passthrough,
     relay,
-    upstream_clients,
+    upstream_client,
 )
 from ..sglang.app import ProxyState
 from ..sglang.wire import dumps, loads
@@ -53,6 +53,8 @@ from .edit import plan_request
 
 __all__ = ["create_app", "LOGPROBS_MODES", "ENDPOINTS"]
 
+# the capture's counters and the relay's
+_COUNTERS = (*COUNTER_NAMES, "partial_streams")
 #: vLLM's ``--logprobs-mode`` values that return log-probs (the logits modes do not).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ENDPOINTS = {
@@ -113,6 +115,7 @@ async def _metrics(request: Request) -> Response:
         "uncaptured_requests": "Captured-endpoint requests passed through unread (echo, beam).",
         "wire_errors": "Answers or chunks the proxy could not read (passed through).",
         "upstream_errors": "Upstream failures and non-200 answers.",
+        "partial_streams": "Answers whose upstream broke off after their head was relayed.",
         "sampling_mismatch_samples": (
             "Samples whose μ is raw log-probs while the request sampled with temperature, "
             "top-p, top-k or min-p (a sampling-side mismatch, not engine noise)."
@@ -120,7 +123,7 @@ async def _metrics(request: Request) -> Response:
         "sampling_mismatch_tokens": "Tokens of sampling_mismatch_samples.",
         "impossible_tokens": "Captured tokens the engine gave log-prob -inf (vLLM: -9999).",
     }
-    for name in COUNTER_NAMES:
+    for name in _COUNTERS:
         metric = f"timwatch_sidecar_vllm_{name}_total"
         lines += [f"# HELP {metric} {help_[name]}", f"# TYPE {metric} counter"]
         lines.append(f"{metric} {state.counters[name]}")
@@ -159,7 +162,7 @@ def create_app(
         ),
         timeout_s=timeout_s,
     )
-    for name in COUNTER_NAMES:
+    for name in _COUNTERS:
         state.counters.setdefault(name, 0)
     state.vllm_capturer = VllmCapturer(  # type: ignore[attr-defined]
         state.commit, state.counters, logprobs_mode
@@ -167,7 +170,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with upstream_clients(state):
+        async with upstream_client(state):
             warm_up("vllm")  # compile the byte walks now, not on the first client's request
             gc.freeze()
             yield
