@@ -13,7 +13,8 @@ setup(
             "timwatch.sidecar.proxy.native._cstream",
             sources=["sidecar/proxy/native/_cstream.c"],
             depends=[
-                f"sidecar/proxy/native/csrc/{h}.h" for h in ("common", "dechunk", "deltas", "numbers")
+                f"sidecar/proxy/native/csrc/{h}.h"
+                for h in ("common", "dechunk", "deltas", "jsonwalk", "numbers")
             ],
             extra_compile_args=["-O3", "-Wno-psabi"],
             optional=True,

@@ -29,18 +29,6 @@ import numpy as np
 __all__ = ["REFOP", "WORKERS", "compile_workers", "read_ir"]
 
 WORKERS: list[tuple[str, str]] = [
-    ("timwatch.sidecar.proxy.sglang.deltascan", "_walk"),
-    ("timwatch.sidecar.proxy.sglang.deltascan", "_marks"),
-    ("timwatch.sidecar.proxy.sglang.deltascan", "_learn"),
-    ("timwatch.sidecar.proxy.jsonbytes.numbers", "triples_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_list_of_triples"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_rows_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_ints_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_mark_flags"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_frames_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.span", "_walk_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.span", "_member_numbers_into"),
-    ("timwatch.sidecar.proxy.http.dechunk", "_dechunk"),
     ("timwatch.monitor.core.kernels", "_vector_phase"),
     ("timwatch.monitor.core.kernels_walk", "walk_chunk"),
     ("timwatch.monitor.core.kernels_walk", "fold_fine"),
@@ -54,12 +42,7 @@ def compile_workers() -> None:
     """Call what compiles every worker of `WORKERS`: the engine in its float32 specialisation
     only (its float64 one is the same code; compiling both doubles the ~70 s this takes)."""
     from timwatch.monitor.core import engine
-    from timwatch.sidecar.proxy.http import dechunk
-    from timwatch.sidecar.proxy.jsonbytes import scan
-    from timwatch.sidecar.proxy.jsonbytes import span as jsonspan
-    from timwatch.sidecar.proxy.sglang import deltascan
 
-    deltascan.warm_up()
     n = 4
     f32 = np.full(n, -0.5, dtype=np.float32)
     tiny = engine.Batch.from_arrays(
@@ -68,11 +51,6 @@ def compile_workers() -> None:
         versions=np.zeros(n, np.int64), policy_version=0, logp_old=np.full(n, -0.45),
     )  # fmt: skip
     engine.accumulate(tiny, threads=1)
-    dechunk.warm_up()  # the numba pass too where the C code de-chunks
-    doc = jsonspan.u8(b'{"a":[{"k":1},{"k":2.5}],"b":"x"}')
-    jsonspan.walk(doc, 8, 8)
-    jsonspan.member_numbers(doc, 5, np.frombuffer(b"k", np.uint8).copy())
-    scan.scan_rows(np.frombuffer(b"[[[-1.5,2,null]]]", np.uint8), 0)
 
 
 def read_ir(workers: list[tuple[str, str]] = WORKERS) -> dict[str, dict[str, Any]]:
@@ -97,11 +75,8 @@ def main(argv: list[str]) -> None:
     compile_workers()
     if warm:
         from timwatch.monitor.core.engine import warm_up
-        from timwatch.sidecar.proxy.warmup import warm_up as proxies
 
         warm_up()
-        proxies("sglang")
-        proxies("vllm")
     text = json.dumps(read_ir())
     if args:
         with open(args[0], "w", encoding="utf-8") as f:
