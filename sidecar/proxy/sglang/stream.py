@@ -100,20 +100,34 @@ class _Stream:
 
     def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
         """An unfinished chunk the C delta scan read (`_read_small`: an unchanged request's
-        stream)."""
-        if idx in self.on_objects:
-            return  # cannot happen with SGLang: its samples do not change shape mid-stream
-        sample = self.fast.get(idx)
-        if sample is None:
-            sample = self.fast[idx] = FastSample()
+        stream). A sample on the object path (the byte path refused one of its chunks: a number
+        the C parse does not convert exactly) takes it there."""
+        if idx not in self.on_objects:
+            sample = self.fast.get(idx)
+            if sample is None:
+                sample = self.fast[idx] = FastSample()
+            try:
+                sample.offer_delta(ids, logps, total)
+                return
+            except NotFast as exc:
+                self.fast.pop(idx, None)
+                self.on_objects.add(idx)
+                try:
+                    self.slow[idx] = sample.to_objects()
+                except (ValueError, KeyError, TypeError):
+                    self.cap.wire_error(f"stream sample {idx}", exc)
+                    return
+            except (WireError, ValueError) as exc:
+                self.fast.pop(idx, None)
+                self.cap.wire_error(f"stream sample {idx}", exc)
+                return
+        triples = [[lp, tid, None] for lp, tid in zip(logps.tolist(), ids.tolist(), strict=True)]
+        meta = {"finish_reason": None, "output_token_logprobs": triples}
+        meta["output_token_logprobs_length"] = total
         try:
-            sample.offer_delta(ids, logps, total)
-        except NotFast as exc:
-            self.fast.pop(idx, None)
-            self.on_objects.add(idx)
-            self.cap.wire_error(f"stream sample {idx}", exc)
+            self.slow.setdefault(idx, SampleState()).offer({"meta_info": meta})
         except (WireError, ValueError) as exc:
-            self.fast.pop(idx, None)
+            self.slow.pop(idx, None)
             self.cap.wire_error(f"stream sample {idx}", exc)
 
     def frame(self, frame: bytes) -> bytes:
