@@ -1,8 +1,9 @@
-"""The C stream reader built again with AddressSanitizer and UndefinedBehaviorSanitizer (both
-fatal), in a subprocess fed random bytes and mutated streams: a read or write outside its
-buffers, or undefined behaviour, fails the test; each answer is also compared with the numba
-code's. The bytes it reads come from an engine over the network, so this is the build that
-would show a missed bound, not just a wrong answer."""
+"""The C reader built again with AddressSanitizer and UndefinedBehaviorSanitizer (both fatal),
+in a subprocess fed random bytes and mutated streams: a read or write outside its buffers, or
+undefined behaviour, fails the test; each answer is also checked against the orjson fallback
+(the delta scan's frames, the log-prob lists, the walk's spans) and de-chunking against itself
+cut elsewhere. The bytes it reads come from an engine over the network, so this is the build
+that would show a missed bound, not just a wrong answer."""
 
 from __future__ import annotations
 
@@ -29,12 +30,16 @@ _FUZZ = textwrap.dedent(
     sys.modules[spec.name] = mod
     native._cstream = native._built = native._use = mod
     assert native.cstream() is mod
-    from tests.unit.test_cstream import _c_dechunk, _c_scan, _numba_dechunk, _numba_scan
+    import numpy as np, orjson
+    from tests.unit.test_cstream import _agrees_with_orjson, _c_dechunk
     from tests.unit.test_deltascan import _frame, _stream
 
     rng = random.Random(int(sys.argv[2]))
     alphabet = b'\\n"{}[],:0123456789.-eEnfio_tdarsl \\r'
     base = _stream(40)
+    pow5 = native.POW5
+    answer = orjson.dumps({"id": "x", "choices": [{"index": 0, "logprobs": {"content": [
+        {"logprob": -1.5, "token": '\\"{', "bytes": [34, 123]}]}, "token_ids": [1, 2]}]})
     for _ in range(int(sys.argv[3])):
         kind = rng.random()
         if kind < 0.2:
@@ -49,11 +54,25 @@ _FUZZ = textwrap.dedent(
                 if b:
                     b[rng.randrange(len(b))] = rng.choice(alphabet)
             buf = bytes(b)
-        small = rng.choice([4096, 300, 64, 8])
-        assert _c_scan(buf, small) == _numba_scan(buf, small), (buf, small)
+        _agrees_with_orjson(buf, rng.choice([4096, 300, 64, 8]))
         cut = rng.randrange(len(buf) + 1)
-        reads = [buf[:cut], buf[cut:]]
-        assert _c_dechunk(reads) == _numba_dechunk(reads), reads
+        assert _c_dechunk([buf[:cut], buf[cut:]]) == _c_dechunk([buf]), buf
+        key = buf.find(b'"output_token_logprobs":')
+        pos = key + 24 if key >= 0 and rng.random() < 0.7 else rng.randrange(len(buf) + 1)
+        room = (len(buf) - pos) // 10 + 1
+        ids, vals = np.empty(room, np.int64), np.empty(room, np.float64)
+        count, end = mod.triples(buf, pos, ids, vals, pow5)
+        if count > 0:
+            got = [[v, int(t), None] for v, t in zip(vals[:count].tolist(), ids[:count].tolist())]
+            assert orjson.loads(buf[pos:end]) == got, (buf, pos)
+        doc = bytearray(answer)
+        for _ in range(rng.randrange(4)):
+            doc[rng.randrange(len(doc))] = rng.choice(alphabet + b"\\\\")
+        rows = np.empty((rng.randrange(1, 40), 7), np.int64)
+        r = mod.walk(bytes(doc), rng.randrange(1, 6), rng.randrange(1, 6), rows)
+        assert -2 <= r <= rows.shape[0]
+        for row in rows[1 : max(r, 0)].tolist():
+            assert 0 <= row[4] < row[5] <= len(doc)
     print("clean", sys.argv[3])
     """
 )
