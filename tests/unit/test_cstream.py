@@ -341,3 +341,45 @@ def test_arrays_too_small_or_read_only_are_refused_not_overrun(bad: tuple[str, A
     fn = getattr(_c(), {"scan": "scan_deltas"}.get(name, name))
     with pytest.raises((ValueError, TypeError)):
         fn(*args)
+
+
+def _vllm_parts(kind: str, stream: bool, versions: bool) -> list[Any]:
+    """What `edit_answer` gives for every answer or frame the vLLM stand-in writes for a
+    client that asked for neither log-probs nor ids: client JSON and each choice's fields."""
+    import sys
+
+    from tests.helpers.procs import REPO
+    from timwatch.sidecar.proxy.vllm.edit import edit_answer, plan_request
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import vllm_standin as standin
+
+    client = {"max_tokens": 40, "stream": stream}
+    if kind == "generate":
+        client = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 40}, "stream": stream}
+    plan = plan_request(kind, client)
+    assert plan is not None and plan.changed
+    req = standin.Req(kind, plan.body, b"r1", versions)
+    payloads = [f[6:-2] for f in standin.frames(req) if f.startswith(b"data: {")]
+    out = []
+    for payload in payloads if stream else [standin.answer(req)]:
+        client_bytes, parts, info = edit_answer(payload, plan)
+        out.append(orjson.loads(client_bytes))
+        out.append({k: v for k, v in info.items() if k != "prompt_token_ids"})
+        for p in parts:
+            prompt = None if p.prompt is None else p.prompt.tolist()
+            out.append((p.index, p.ids.tolist(), _bits(p.logps), p.finish_reason, prompt))
+            out.append((p.spans, p.version, p.bare))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat", "generate"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_answers_edit_and_read_alike_on_both_readers(kind: str, stream: bool) -> None:
+    """The C walk's in-place cuts and the fallback's answer written again are the same JSON;
+    every choice's ids, log-prob bits, prompt and versions are the same."""
+    with reader("c"):
+        c = _vllm_parts(kind, stream, True)
+    with reader("fallback"):
+        f = _vllm_parts(kind, stream, True)
+    assert c == f and c
