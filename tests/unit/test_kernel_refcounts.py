@@ -31,6 +31,7 @@ from tests.helpers.procs import REPO
 def _byte_at(buf: np.ndarray, i: int) -> int:
     return int(buf[i]) if i < buf.shape[0] else 0
 
+
 # Read in a fresh process whose code is compiled, not loaded from numba's cache: the one
 # ``scripts/test.sh`` warms the cache with (its file in ``TIMWATCH_KERNEL_IR``) when it compiled
 # every worker, else one run here with an empty cache.

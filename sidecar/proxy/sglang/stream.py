@@ -122,8 +122,11 @@ class _Stream:
                 self.cap.wire_error(f"stream sample {idx}", exc)
                 return
         triples = [[lp, tid, None] for lp, tid in zip(logps.tolist(), ids.tolist(), strict=True)]
-        meta = {"finish_reason": None, "output_token_logprobs": triples}
-        meta["output_token_logprobs_length"] = total
+        meta = {
+            "finish_reason": None,
+            "output_token_logprobs": triples,
+            "output_token_logprobs_length": total,
+        }
         try:
             self.slow.setdefault(idx, SampleState()).offer({"meta_info": meta})
         except (WireError, ValueError) as exc:
