@@ -336,6 +336,7 @@ def test_walk_spans_are_the_values_orjson_reads(
         ("triples", (b"[]", 3, np.empty(1, np.int64), np.empty(1), native.POW5)),
         ("triples", (b"[]", 0, np.empty(1, np.int64), np.empty(1), native.POW5.tobytes()[:8])),
         ("walk", (b"{}", 4, 2, np.empty((1, 7), np.int64).tobytes())),
+        ("member_values", (b"[]", 3, b"logprob")),
         ("dechunk", (b"1\r\nx\r\n", np.zeros(4, np.int64))),
         ("dechunk", (b"1\r\nx\r\n", np.zeros(5, np.int64).tobytes())),
     ],

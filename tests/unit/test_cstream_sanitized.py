@@ -73,6 +73,10 @@ _FUZZ = textwrap.dedent(
         assert -2 <= r <= rows.shape[0]
         for row in rows[1 : max(r, 0)].tolist():
             assert 0 <= row[4] < row[5] <= len(doc)
+        at = doc.find(b"[{") if rng.random() < 0.7 else rng.randrange(len(doc) + 1)
+        count, text = mod.member_values(bytes(doc), max(at, 0), b"logprob")
+        if count >= 0:  # the values copied verbatim: JSON only where the bytes were
+            assert text[:1] == b"[" and text[-1:] == b"]" and len(text) <= len(doc) + 2
     print("clean", sys.argv[3])
     """
 )

@@ -19,7 +19,16 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["built", "cstream", "use_native", "scan_deltas", "triples", "walk", "POW5"]
+__all__ = [
+    "built",
+    "cstream",
+    "use_native",
+    "scan_deltas",
+    "triples",
+    "walk",
+    "member_values",
+    "POW5",
+]
 
 try:
     from . import _cstream as _built  # type: ignore[attr-defined]
@@ -150,3 +159,12 @@ def walk(buf: bytes, max_depth: int, max_array_depth: int) -> np.ndarray:
         if r != -2:
             return rows[: max(r, 0)]
         size *= 8
+
+
+def member_values(buf: bytes, pos: int, key: bytes) -> tuple[int, bytes]:
+    """``(count, json)``: each object's value of member ``key`` in the array of objects at
+    ``buf[pos]``, copied verbatim into one JSON list (``csrc/jsonwalk.h``); count -1: not an
+    array of objects that all have that member with a scalar value."""
+    assert _built is not None
+    count, text = _built.member_values(buf, pos, key)
+    return int(count), text

@@ -1,6 +1,7 @@
 /* The proxies' compiled reader: de-chunking (csrc/dechunk.h), the scan of an incremental
  * stream's delta frames (csrc/deltas.h), log-prob triples read into arrays, correctly rounded
- * (csrc/numbers.h), and JSON's structure walked for the spans of values (csrc/jsonwalk.h).
+ * (csrc/numbers.h), and JSON's structure walked for the spans of values and one member's
+ * values in an array of objects (csrc/jsonwalk.h).
  * Without this module (no C compiler at install, or TIMWATCH_NATIVE=0) the proxies read every
  * frame and answer whole with orjson, and give the same records (tests/unit/test_cstream.py).
  * Each function checks the sizes of the buffers it writes, and releases the GIL while it runs.
@@ -121,6 +122,32 @@ static PyObject *py_walk(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong((long long)got);
 }
 
+static PyObject *py_member_values(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf, key;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "y*ny*", &buf, &pos, &key)) return NULL;
+    PyObject *res = NULL;
+    if (pos < 0 || pos > buf.len) {
+        PyErr_SetString(PyExc_ValueError, "pos outside the buffer");
+    } else {
+        PyObject *out = PyBytes_FromStringAndSize(NULL, buf.len - pos + 2);
+        if (out != NULL) {
+            i64 count, length;
+            uint8_t *to = (uint8_t *)PyBytes_AS_STRING(out);
+            Py_BEGIN_ALLOW_THREADS;
+            count = member_values((const uint8_t *)buf.buf, buf.len, pos,
+                                  (const uint8_t *)key.buf, key.len, to, &length);
+            Py_END_ALLOW_THREADS;
+            if (_PyBytes_Resize(&out, count < 0 ? 0 : length) == 0)
+                res = Py_BuildValue("LN", (long long)count, out);
+        }
+    }
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&key);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"dechunk", py_dechunk, METH_VARARGS,
      "dechunk(data, state) -> the body bytes data carries; state: (phase, left, digits, "
@@ -134,6 +161,9 @@ static PyMethodDef methods[] = {
     {"walk", py_walk, METH_VARARGS,
      "walk(buf, max_depth, max_array_depth, rows) -> row count; -1: not one JSON object, "
      "-2: rows too short"},
+    {"member_values", py_member_values, METH_VARARGS,
+     "member_values(buf, pos, key) -> (count, json): each object's scalar value of member key "
+     "in the array at buf[pos], as one JSON list; count -1: refused"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,9 +6,9 @@ the token ids (``return_token_ids: true``). vLLM writes every field of its answe
 field the client did not ask for is present as ``null`` (non-streamed: ``model_dump()``;
 streamed: ``model_dump_json(exclude_unset=True)`` with the field passed explicitly). Restoring
 an answer therefore replaces the added members' values by ``null`` (`edit_answer`): in place
-where the C reader is built (its structural walk, `native.walk`, gives each member's span, so a
-string that happens to contain a key never matches), and all other bytes are the upstream's;
-without it the answer is written again by orjson, the same JSON. Answers are read by orjson.
+where the C reader is built (its structural walk gives each member's span, so a string that
+happens to contain a key never matches), all other bytes the upstream's; without it the answer
+is written again by orjson, the same JSON (`proxy.vllm.tree`).
 
 What is read per choice:
 
@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 
 from ....monitor.core.errors import NotFast, WireError
-from .. import native
+from .tree import Node, Tree, ints, tree_of
 
 __all__ = [
     "KINDS",
@@ -136,15 +135,6 @@ def plan_request(kind: str, body: Any) -> VllmPlan | None:
     )
 
 
-def _ints(value: Any, where: str) -> np.ndarray:
-    if not isinstance(value, list):
-        raise WireError(f"{where}: expected a list of token ids (send return_token_ids: true)")
-    try:
-        return np.array(value, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise WireError(f"{where}: token ids must be ints") from None
-
-
 def _floats(values: Any, where: str) -> np.ndarray:
     try:
         out = np.array(values, dtype=np.float64)
@@ -156,61 +146,21 @@ def _floats(values: Any, where: str) -> np.ndarray:
     return out
 
 
-def _logps(logprobs: Any, kind: str, where: str) -> np.ndarray:
-    members = logprobs if isinstance(logprobs, dict) else {}
+def _logps(tree: Tree, lp: Node, kind: str, where: str) -> np.ndarray:
     if kind == "completions":
-        if "token_logprobs" not in members:
+        got = tree.member(lp, "token_logprobs")
+        if got is None:
             raise WireError(f"{where}.token_logprobs: missing")
-        return _floats(members["token_logprobs"], f"{where}.token_logprobs")
-    if "content" not in members:
-        raise WireError(f"{where}.content: missing")
-    content = members["content"]
+        return _floats(tree.value(got), f"{where}.token_logprobs")
+    content = tree.member(lp, "content")
     if content is None:
+        raise WireError(f"{where}.content: missing")
+    if tree.is_null(content):
         return np.zeros(0)
-    if not isinstance(content, list) or not all(
-        isinstance(t, dict) and "logprob" in t and not isinstance(t["logprob"], (str, list, dict))
-        for t in content
-    ):
+    values = tree.column(content, "logprob")
+    if values is None:
         raise WireError(f"{where}.content: not a list of {{logprob: number}} objects")
-    return _floats([t["logprob"] for t in content], f"{where}.content[].logprob")
-
-
-def _cut(buf: bytes, doc: dict[str, Any], plan: VllmPlan) -> bytes:
-    """``buf`` with the members the proxy added set to ``null`` (``buf`` itself when all are
-    absent or null already): in place on the C reader's spans, else written again by orjson."""
-    wanted: list[tuple[int, bytes]] = []  # (choice number, -1: the answer; member)
-    if plan.cut_ids and doc.get("prompt_token_ids") is not None:
-        wanted.append((-1, b"prompt_token_ids"))
-    for c, ch in enumerate(doc["choices"]):
-        if not isinstance(ch, dict):
-            continue
-        for key, cut in (
-            (b"logprobs", plan.cut_logprobs),
-            (b"token_ids", plan.cut_ids),
-            (b"prompt_token_ids", plan.cut_ids),
-        ):
-            if cut and ch.get(key.decode()) is not None:
-                wanted.append((c, key))
-    if not wanted:
-        return buf
-    if native.cstream() is None:
-        for c, key in wanted:
-            (doc if c < 0 else doc["choices"][c])[key.decode()] = None
-        return orjson.dumps(doc)
-    rows = native.walk(buf, 3, 2).tolist()  # down to the members of each choice
-    members = {(r[0], buf[r[2] : r[3]]): i for i, r in enumerate(rows) if r[2] >= 0}
-    try:
-        choices = members[(0, b"choices")]
-        items = [i for i, r in enumerate(rows) if r[0] == choices]
-        spans = sorted(rows[members[(0 if c < 0 else items[c], key)]][4:6] for c, key in wanted)
-    except (KeyError, IndexError):
-        raise NotFast("the walk and orjson disagree") from None
-    out, at = [], 0
-    for lo, hi in spans:
-        out += [buf[at:lo], b"null"]
-        at = hi
-    out.append(buf[at:])
-    return b"".join(out)
+    return _floats(values, f"{where}.content[].logprob")
 
 
 def edit_answer(
@@ -226,57 +176,71 @@ def edit_answer(
     top-level values (``id``, ``request_id``, weight versions). Raises `NotFast` when ``buf``
     is not one JSON object with a ``choices`` list, `WireError` when a choice lacks what was
     asked for."""
-    try:
-        doc = orjson.loads(buf)
-    except orjson.JSONDecodeError:
-        raise NotFast("not one JSON object") from None
-    if not isinstance(doc, dict):
-        raise NotFast("not one JSON object")
-    if not isinstance(doc.get("choices"), list):
-        raise NotFast("no choices list")
-    info: dict[str, Any] = {
-        key: doc[key]
-        for key in ("id", "request_id", "weight_version", "weight_versions")
-        if key in doc
-    }
+    tree = tree_of(buf)
+    root = tree.root
+    cuts: list[Node] = []
+    top_prompt = tree.member(root, "prompt_token_ids")
+    if plan.cut_ids and not tree.is_null(top_prompt):
+        cuts.append(top_prompt)
+    info: dict[str, Any] = {}
+    for key in ("id", "request_id", "weight_version", "weight_versions"):
+        if (node := tree.member(root, key)) is not None:
+            info[key] = tree.value(node)
     prompt_top = None
-    if read and plan.kind == "chat" and doc.get("prompt_token_ids") is not None:
-        prompt_top = _ints(doc["prompt_token_ids"], "prompt_token_ids")
+    if read and plan.kind == "chat" and not tree.is_null(top_prompt):
+        prompt_top = ints(tree, top_prompt, "prompt_token_ids")
         info["prompt_token_ids"] = prompt_top
+    choices = tree.member(root, "choices")
+    items = None if choices is None else tree.items(choices)
+    if items is None:
+        raise NotFast("no choices list")
     parts: list[ChoicePart] = []
-    for c, item in enumerate(doc["choices"]):
-        ch = item if isinstance(item, dict) else {}
-        finish = ch.get("finish_reason")
+    for c, ch in enumerate(items):
+        ids_node, lp = tree.member(ch, "token_ids"), tree.member(ch, "logprobs")
+        ch_prompt = tree.member(ch, "prompt_token_ids")
+        for node, cut in (
+            (lp, plan.cut_logprobs),
+            (ids_node, plan.cut_ids),
+            (ch_prompt, plan.cut_ids),
+        ):
+            if cut and not tree.is_null(node):
+                cuts.append(node)
+        finish = tree.value(tree.member(ch, "finish_reason"))
+        delta = tree.member(ch, "delta")
         bare = bool(
-            plan.cut_logprobs and plan.cut_ids and finish is None and ch.get("delta", 0) == {}
+            plan.cut_logprobs
+            and plan.cut_ids
+            and finish is None
+            and delta is not None
+            and tree.value(delta) == {}
         )
         if not read:
             if bare:
                 parts.append(ChoicePart(0, np.zeros(0, np.int64), np.zeros(0), None, bare=True))
             continue
         where = f"choices[{c}]"
-        no_ids, no_lp = ch.get("token_ids") is None, ch.get("logprobs") is None
+        no_ids, no_lp = tree.is_null(ids_node), tree.is_null(lp)
         if no_ids and no_lp and plan.stream and finish is None:
             if bare:
                 parts.append(ChoicePart(0, np.zeros(0, np.int64), np.zeros(0), None, bare=True))
             continue  # a stream's role-only or empty chunk
         if no_ids:
             raise WireError(f"{where}.token_ids: missing (send return_token_ids: true)")
-        ids = _ints(ch["token_ids"], f"{where}.token_ids")
-        if "logprobs" not in ch:
+        ids = ints(tree, ids_node, f"{where}.token_ids")
+        if lp is None:
             raise WireError(f"{where}.logprobs: missing")
         if no_lp:
             if ids.size:
                 raise WireError(f"{where}.logprobs: missing (log-probs not returned)")
             logps = np.zeros(0)
         else:
-            logps = _logps(ch["logprobs"], plan.kind, f"{where}.logprobs")
+            logps = _logps(tree, lp, plan.kind, f"{where}.logprobs")
         if logps.shape != ids.shape:
             raise WireError(f"{where}.logprobs: {logps.size} log-probs for {ids.size} token ids")
         prompt = prompt_top
-        if plan.kind == "completions" and ch.get("prompt_token_ids") is not None:
-            prompt = _ints(ch["prompt_token_ids"], f"{where}.prompt_token_ids")
-        index = ch.get("index")
+        if plan.kind == "completions" and not tree.is_null(ch_prompt):
+            prompt = ints(tree, ch_prompt, f"{where}.prompt_token_ids")
+        index = tree.value(tree.member(ch, "index"))
         parts.append(
             ChoicePart(
                 index=index if isinstance(index, int) else c,
@@ -284,12 +248,12 @@ def edit_answer(
                 logps=logps,
                 finish_reason=None if finish is None else str(finish),
                 prompt=prompt,
-                spans=ch.get("weight_versions"),
-                version=_version(ch.get("weight_version")),
+                spans=tree.value(tree.member(ch, "weight_versions")),
+                version=_version(tree.value(tree.member(ch, "weight_version"))),
                 bare=bare,
             )
         )
-    return _cut(buf, doc, plan), parts, info
+    return (tree.cut(cuts) if cuts else buf), parts, info
 
 
 def _version(value: Any) -> str | None:

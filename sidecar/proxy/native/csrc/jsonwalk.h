@@ -6,6 +6,7 @@
 #define TIMWATCH_JSONWALK_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -124,6 +125,63 @@ static i64 walk_json(const uint8_t *b, i64 n, i64 max_depth, i64 max_array_depth
         else if (i >= n || (b[i] != '}' && b[i] != ']')) return -1;
     }
     return -1;
+}
+
+/* For the array of objects at b[i]: each object's value of member key (m bytes, no quotes)
+ * copied verbatim into out as one JSON list "[v0,v1,...]" (out: room for n - i + 2 bytes).
+ * Returns the count and sets *length; -1: not an array of objects that all have that member
+ * with a scalar value. */
+static i64 member_values(const uint8_t *b, i64 n, i64 i, const uint8_t *key, i64 m, uint8_t *out,
+                         i64 *length) {
+    i64 f = 1, count = 0;
+    out[0] = '[';
+    *length = 0;
+    if (i >= n || b[i] != '[') return -1;
+    i = skip_ws(b, n, i + 1);
+    if (i < n && b[i] == ']') {
+        out[1] = ']';
+        *length = 2;
+        return 0;
+    }
+    for (;;) {
+        if (i >= n || b[i] != '{') return -1;
+        int found = 0;
+        i64 j = skip_ws(b, n, i + 1);
+        for (;;) {
+            if (j >= n || b[j] != '"') return -1;
+            i64 k_end = string_end(b, n, j);
+            if (k_end < 0) return -1;
+            i64 c = skip_ws(b, n, k_end);
+            if (c >= n || b[c] != ':') return -1;
+            i64 v = skip_ws(b, n, c + 1);
+            i64 e = skip_value(b, n, v);
+            if (e < 0) return -1;
+            if (!found && k_end - 1 - (j + 1) == m && memcmp(b + j + 1, key, (size_t)m) == 0) {
+                int d = b[v];
+                if (d == '"' || d == '[' || d == '{') return -1;
+                memcpy(out + f, b + v, (size_t)(e - v));
+                f += e - v;
+                out[f++] = ',';
+                found = 1;
+            }
+            j = skip_ws(b, n, e);
+            if (j < n && b[j] == ',') j = skip_ws(b, n, j + 1);
+            else if (j < n && b[j] == '}') break;
+            else return -1;
+        }
+        if (!found) return -1;
+        count++;
+        i = skip_ws(b, n, j + 1);
+        if (i < n && b[i] == ',') {
+            i = skip_ws(b, n, i + 1);
+        } else if (i < n && b[i] == ']') {
+            out[f - 1] = ']';
+            *length = f;
+            return count;
+        } else {
+            return -1;
+        }
+    }
 }
 
 #endif
