@@ -1,8 +1,8 @@
-"""The one compiled part of timwatch: the stream reader's C code (sidecar/proxy/native/_cstream.c).
+"""The one compiled extension of timwatch: the proxies' C reader (sidecar/proxy/native/_cstream.c).
 
 Optional: without a C compiler or Python's headers the install still succeeds and the proxies
-run the numba code it mirrors (timwatch/sidecar/proxy/native.py). Everything else about the
-package is in pyproject.toml.
+read with orjson instead (sidecar/proxy/native/__init__.py). Everything else about the package
+is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
@@ -13,7 +13,8 @@ setup(
             "timwatch.sidecar.proxy.native._cstream",
             sources=["sidecar/proxy/native/_cstream.c"],
             depends=[
-                f"sidecar/proxy/native/csrc/{h}.h" for h in ("common", "dechunk", "deltas", "numbers")
+                f"sidecar/proxy/native/csrc/{h}.h"
+                for h in ("common", "dechunk", "deltas", "jsonwalk", "numbers")
             ],
             extra_compile_args=["-O3", "-Wno-psabi"],
             optional=True,

@@ -34,7 +34,7 @@ next request as soon as its answer has been read in full.
 ``--no-stream-capture`` relays streams without reading them (the proxy's stream capture
 replaced by a sink that drops what it is fed): the relay's own cost per stream. The proxy reads
 streams with its C reader where that was built; ``TIMWATCH_NATIVE=0`` in the environment runs
-it on the numba code instead (the header line says which).
+it on the orjson fallback instead (the header line says which).
 
     python benchmarks/proxy_throughput.py [--seconds 5] [--quick] [--client logprobs|plain]
         [--only per-token,per-token-floor] [--json benchmarks/results/proxy_throughput.json]
@@ -68,8 +68,8 @@ def _reader() -> str:
     from timwatch.sidecar.proxy import native
 
     if os.environ.get("TIMWATCH_NATIVE") == "0":
-        return "numba (TIMWATCH_NATIVE=0)"
-    return "C" if native.built() else "numba (the C reader is not built)"
+        return "orjson fallback (TIMWATCH_NATIVE=0)"
+    return "C" if native.built() else "orjson fallback (the C reader is not built)"
 
 
 def _port() -> int:

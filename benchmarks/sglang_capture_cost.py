@@ -1,11 +1,12 @@
 """CPU the SGLang proxy spends capturing one non-streamed answer, in process (no HTTP).
 
 The answer is the stand-in's (`benchmarks/sglang_standin.py`, SGLang's compact orjson bytes,
-``return_logprob`` without top-k). Timed, best of 7 repeats: the client's bytes and the capture
+``return_logprob`` without top-k). Timed, best of 7 repeats, on the C reader (the byte path) and
+on the orjson fallback (the object path), interleaved: the client's bytes and the capture
 (`answers.answer_parts` and the capture it returns: reading the log-probs, building the held
 record, adding it to a `CaptureStore`), each answer with a fresh id; and, for a client that did
-not ask for log-probs, cutting what the proxy added out of the answer (`fastwire.restore`,
-on the response path). `proxy_throughput.py` measures the whole request through a real proxy.
+not ask for log-probs, the client's bytes with what the proxy added cut out (on the response
+path). `proxy_throughput.py` measures the whole request through a real proxy.
 
     python benchmarks/sglang_capture_cost.py [--tokens 4096] [--number 300]
 """
@@ -23,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sglang_standin as standin  # noqa: E402
 
+from timwatch.sidecar.proxy import native  # noqa: E402
 from timwatch.sidecar.proxy.capture import CaptureStore  # noqa: E402
 from timwatch.sidecar.proxy.sglang.answers import Capturer, answer_parts  # noqa: E402
-from timwatch.sidecar.proxy.sglang.fastwire import restore  # noqa: E402
 from timwatch.sidecar.proxy.sglang.wire import plan_request  # noqa: E402
 
 
@@ -49,20 +50,33 @@ def main() -> None:
         count[0] += 1
         body = answer.replace(rid, b"%032x" % count[0], 1)
         _, later = answer_parts(cap, logprobs, body)
-        assert later is not None
-        later()
+        if later is not None:  # the byte path defers the capture; the object path ran it
+            later()
 
     def best(fn: Callable[[], object]) -> float:
         times = timeit.repeat(fn, number=args.number, repeat=7)
         return 1e6 * min(times) / args.number
 
-    capture()
-    assert store.counters.captured == 1, "the answer was not captured"
-    print(
-        f"load average {os.getloadavg()[0]:.2f}; {n}-token answer, {len(answer)} bytes: "
-        f"capture {best(capture):.0f} us; restore for a client without log-probs "
-        f"{best(lambda: restore(answer, plain, 0)):.0f} us"
-    )
+    def restore() -> bytes:
+        client, later = answer_parts(cap, plain, answer)
+        assert later is None or native.cstream() is not None
+        return client
+
+    print(f"load average {os.getloadavg()[0]:.2f}; {n}-token answer, {len(answer)} bytes")
+    readers = ("C", "fallback") if native.built() else ("fallback",)
+    results: dict[str, list[tuple[float, float]]] = {r: [] for r in readers}
+    for _ in range(2):  # interleaved: the machine's drift hits both alike
+        for name in readers:
+            native.use_native(name == "C")
+            before = store.counters.captured
+            capture()
+            assert store.counters.captured == before + 1, "the answer was not captured"
+            results[name].append((best(capture), best(restore)))
+    for name, runs in results.items():
+        print(
+            f"{name:9} capture {min(r[0] for r in runs):6.0f} us; client bytes for a client "
+            f"without log-probs {min(r[1] for r in runs):6.0f} us"
+        )
 
 
 if __name__ == "__main__":

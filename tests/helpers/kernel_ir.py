@@ -43,17 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 _SAVED = Path(__file__).resolve().parent / "__pycache__"
 
 WORKERS: list[tuple[str, str]] = [
-    ("timwatch.sidecar.proxy.sglang.deltascan", "_walk"),
-    ("timwatch.sidecar.proxy.sglang.deltascan", "_marks"),
-    ("timwatch.sidecar.proxy.sglang.deltascan", "_learn"),
-    ("timwatch.sidecar.proxy.jsonbytes.numbers", "triples_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_list_of_triples"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_rows_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_ints_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_mark_flags"),
-    ("timwatch.sidecar.proxy.jsonbytes.scan", "_frames_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.span", "_walk_into"),
-    ("timwatch.sidecar.proxy.jsonbytes.span", "_member_numbers_into"),
     ("timwatch.monitor.core.kernels", "_vector_phase"),
     ("timwatch.monitor.core.kernels_walk", "walk_chunk"),
     ("timwatch.monitor.core.kernels_walk", "fold_fine"),
@@ -67,11 +56,7 @@ def compile_workers() -> None:
     """Call what compiles every worker of `WORKERS`: the engine in its float32 specialisation
     only (its float64 one is the same code; compiling both doubles the ~70 s this takes)."""
     from timwatch.monitor.core import engine
-    from timwatch.sidecar.proxy.jsonbytes import scan
-    from timwatch.sidecar.proxy.jsonbytes import span as jsonspan
-    from timwatch.sidecar.proxy.sglang import deltascan
 
-    deltascan.warm_up()
     n = 4
     f32 = np.full(n, -0.5, dtype=np.float32)
     tiny = engine.Batch.from_arrays(
@@ -80,10 +65,6 @@ def compile_workers() -> None:
         versions=np.zeros(n, np.int64), policy_version=0, logp_old=np.full(n, -0.45),
     )  # fmt: skip
     engine.accumulate(tiny, threads=1)
-    doc = jsonspan.u8(b'{"a":[{"k":1},{"k":2.5}],"b":"x"}')
-    jsonspan.walk(doc, 8, 8)
-    jsonspan.member_numbers(doc, 5, np.frombuffer(b"k", np.uint8).copy())
-    scan.scan_rows(np.frombuffer(b"[[[-1.5,2,null]]]", np.uint8), 0)
 
 
 def read_ir(workers: list[tuple[str, str]] = WORKERS) -> dict[str, dict[str, Any]]:
@@ -173,11 +154,8 @@ def main(argv: list[str]) -> None:
     compile_workers()
     if warm:
         from timwatch.monitor.core.engine import warm_up
-        from timwatch.sidecar.proxy.warmup import warm_up as proxies
 
         warm_up()
-        proxies("sglang")
-        proxies("vllm")
     result = read_ir()
     save(result)
     text = json.dumps(result)

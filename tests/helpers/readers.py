@@ -1,14 +1,15 @@
-"""The stream reader's two implementations, for test modules that must pass on both: the C
-code (`proxy.native`) and the fallback that runs where it was not built (llhttp de-chunks).
-A module that imports `stream_reader` and sets
-``pytestmark = pytest.mark.usefixtures("stream_reader")`` runs its tests once on each.
-Where the C code was not built (no compiler at install), its half is skipped, except in CI or
-with ``TIMWATCH_NATIVE=1``, where it fails."""
+"""The proxies' two readers, for test modules that must pass on both: the C reader
+(`proxy.native`: de-chunking, delta scan, number parse) and the fallback that runs without it
+(llhttp de-chunks, orjson parses). A module that imports `stream_reader` and sets
+``pytestmark = pytest.mark.usefixtures("stream_reader")`` runs its tests once on each. Where
+the C code was not built (no compiler at install), its half is skipped, except in CI or with
+``TIMWATCH_NATIVE=1``, where it fails."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httptools
 import pytest
@@ -24,14 +25,23 @@ def require_c() -> None:
         pytest.skip("timwatch's C stream reader was not built here (no C compiler at install)")
 
 
+@contextmanager
+def reader(kind: str) -> Iterator[None]:
+    """The C reader (``"c"``) or the orjson fallback (``"fallback"``) switched on inside."""
+    if kind == "c":
+        require_c()
+    before = native.use_native(kind == "c")
+    try:
+        yield
+    finally:
+        native.use_native(before)
+
+
 @pytest.fixture(scope="module", params=["c", "fallback"])
 def stream_reader(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The implementation this module's tests run on, switched on for the module."""
-    if request.param == "c":
-        require_c()
-    before = native.use_native(request.param == "c")
-    yield request.param
-    native.use_native(before)
+    """The reader this module's tests run on, switched on for the module."""
+    with reader(request.param):
+        yield request.param
 
 
 class _Body:

@@ -26,8 +26,9 @@ import orjson
 import pytest
 
 from tests.helpers.procs import REPO, ServerProc, vllm_proxy_process, vllm_standin_process
+from tests.helpers.readers import require_c
 from timwatch.monitor.core.errors import NotFast, WireError
-from timwatch.sidecar.proxy.jsonbytes.span import skip_value, u8, walk
+from timwatch.sidecar.proxy.native import walk
 from timwatch.sidecar.proxy.vllm.capture import COUNTER_NAMES, VllmCapturer, relay_stream
 from timwatch.sidecar.proxy.vllm.edit import edit_answer, plan_request, truncates
 
@@ -195,22 +196,23 @@ def test_sidecar_metrics_pass_promtool(upstream: str) -> None:
 
 
 def test_walk_spans_are_whole_values_even_with_keys_inside_strings() -> None:
+    require_c()
     doc = {
         "a": 'x","choices":[1]}',
         "choices": [{"logprobs": {"content": [{"logprob": -1.5, "token": '\\"{'}]}}],
         "b": [1, {"c": None}],
     }
     raw = orjson.dumps(doc)
-    rows = walk(u8(raw), 4, 2)
+    rows = walk(raw, 4, 2)
     assert rows.shape[0] > 0
     keys = {raw[r[2] : r[3]]: raw[r[4] : r[5]] for r in rows.tolist() if r[2] >= 0}
     for key in (b"a", b"choices", b"logprobs", b"b"):
         value = keys[key]
         assert orjson.loads(value) is not None
     assert orjson.loads(keys[b"choices"]) == doc["choices"]
-    assert walk(u8(b'{"a":[1,2}'), 4, 2).shape[0] == 0
-    assert walk(u8(b'{"a":1} x'), 4, 2).shape[0] == 0
-    assert skip_value(u8(b'"abc\\"'), 0) == -1
+    assert walk(b'{"a":[1,2}', 4, 2).shape[0] == 0
+    assert walk(b'{"a":1} x', 4, 2).shape[0] == 0
+    assert walk(b'{"a":"abc\\"}', 4, 2).shape[0] == 0
 
 
 def test_malformed_answers_are_refused_not_guessed() -> None:

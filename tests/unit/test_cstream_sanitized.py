@@ -1,8 +1,9 @@
-"""The C stream reader built again with AddressSanitizer and UndefinedBehaviorSanitizer (both
-fatal), in a subprocess fed random bytes and mutated streams: a read or write outside its
-buffers, or undefined behaviour, fails the test; each answer is also compared with the numba
-code's. The bytes it reads come from an engine over the network, so this is the build that
-would show a missed bound, not just a wrong answer."""
+"""The C reader built again with AddressSanitizer and UndefinedBehaviorSanitizer (both fatal),
+in a subprocess fed random bytes and mutated streams: a read or write outside its buffers, or
+undefined behaviour, fails the test; each answer is also checked against the orjson fallback
+(the delta scan's frames, the log-prob lists, the walk's spans) and de-chunking against itself
+cut elsewhere. The bytes it reads come from an engine over the network, so this is the build
+that would show a missed bound, not just a wrong answer."""
 
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ _FUZZ = textwrap.dedent(
     sys.modules[spec.name] = mod
     native._cstream = native._built = native._use = mod
     assert native.cstream() is mod
+    import numpy as np, orjson
     from tests.helpers.readers import httptools_dechunk
-    from tests.unit.test_cstream import _c_dechunk, _c_scan, _numba_scan
+    from tests.unit.test_cstream import _agrees_with_orjson, _c_dechunk
     from tests.unit.test_deltascan import _frame, _stream
 
     rng = random.Random(int(sys.argv[2]))
     alphabet = b'\\n"{}[],:0123456789.-eEnfio_tdarsl \\r'
     base = _stream(40)
+    pow5 = native.POW5
+    answer = orjson.dumps({"id": "x", "choices": [{"index": 0, "logprobs": {"content": [
+        {"logprob": -1.5, "token": '\\"{', "bytes": [34, 123]}]}, "token_ids": [1, 2]}]})
     for _ in range(int(sys.argv[3])):
         kind = rng.random()
         if kind < 0.2:
@@ -50,13 +55,33 @@ _FUZZ = textwrap.dedent(
                 if b:
                     b[rng.randrange(len(b))] = rng.choice(alphabet)
             buf = bytes(b)
-        small = rng.choice([4096, 300, 64, 8])
-        assert _c_scan(buf, small) == _numba_scan(buf, small), (buf, small)
+        _agrees_with_orjson(buf, rng.choice([4096, 300, 64, 8]))
         cut = rng.randrange(len(buf) + 1)
         reads = [buf[:cut], buf[cut:]]
-        got = _c_dechunk(reads)
-        if got[-1][1][0] == 10:  # done: llhttp reads the same body
-            assert b"".join(b for b, _ in got) == httptools_dechunk(reads)[0], reads
+        body, phase = _c_dechunk(reads)
+        if phase == 10:  # done: llhttp reads the same body
+            assert body == httptools_dechunk(reads)[0], reads
+        assert (body, phase) == _c_dechunk([buf]), buf
+        key = buf.find(b'"output_token_logprobs":')
+        pos = key + 24 if key >= 0 and rng.random() < 0.7 else rng.randrange(len(buf) + 1)
+        room = (len(buf) - pos) // 10 + 1
+        ids, vals = np.empty(room, np.int64), np.empty(room, np.float64)
+        count, end = mod.triples(buf, pos, ids, vals, pow5)
+        if count > 0:
+            got = [[v, int(t), None] for v, t in zip(vals[:count].tolist(), ids[:count].tolist())]
+            assert orjson.loads(buf[pos:end]) == got, (buf, pos)
+        doc = bytearray(answer)
+        for _ in range(rng.randrange(4)):
+            doc[rng.randrange(len(doc))] = rng.choice(alphabet + b"\\\\")
+        rows = np.empty((rng.randrange(1, 40), 7), np.int64)
+        r = mod.walk(bytes(doc), rng.randrange(1, 6), rng.randrange(1, 6), rows)
+        assert -2 <= r <= rows.shape[0]
+        for row in rows[1 : max(r, 0)].tolist():
+            assert 0 <= row[4] < row[5] <= len(doc)
+        at = doc.find(b"[{") if rng.random() < 0.7 else rng.randrange(len(doc) + 1)
+        count, text = mod.member_values(bytes(doc), max(at, 0), b"logprob")
+        if count >= 0:  # the values copied verbatim: JSON only where the bytes were
+            assert text[:1] == b"[" and text[-1:] == b"]" and len(text) <= len(doc) + 2
     print("clean", sys.argv[3])
     """
 )

@@ -1,6 +1,7 @@
-"""`proxy.sglang.deltascan`: an incremental stream's reads captured without searching each frame for
-its keys give what the general scan (`scan.scan_frames` + orjson) gives on the same bytes,
-wherever the reads are cut; frames it must not read are left to that scan.
+"""An incremental stream captured from its reads (`proxy.sglang.stream.StreamReads`) gives the
+records the object path gives (orjson on every frame, `SampleState`), wherever the reads are
+cut, on the C reader (its delta scan, then the byte path for the frames it leaves) and on the
+orjson fallback alike. The C scan's own answers are checked in test_cstream.py.
 
 Streams are built here in SGLang's compact format (one ``data: {...}\\n\\n`` frame per token,
 ``output_token_logprobs_length`` since 0.5.3), with token texts that start like the keys the
@@ -11,24 +12,20 @@ log-probs in every shape JSON allows, and token ids of every length.
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import orjson
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tests.helpers.readers import stream_reader  # noqa: F401
 from timwatch.sidecar.proxy.records import HeldRecord
 from timwatch.sidecar.proxy.sglang import stream as relay
 from timwatch.sidecar.proxy.sglang.answers import Capturer
-from timwatch.sidecar.proxy.sglang.deltascan import scan_deltas
 from timwatch.sidecar.proxy.sglang.wire import SampleState, plan_request
 
-# every test on the C reader and on the numba one
+# every test on the C reader and on the orjson fallback
 pytestmark = pytest.mark.usefixtures("stream_reader")
 
 _TEXTS = ["n", " the", "fi", "index", "output_top", 'q"uote', "\n", "é", "x" * 100, "a", "b"]
@@ -68,151 +65,91 @@ def _stream(n: int, shift: int = 0) -> bytes:
     return b"".join(frames) + b"data: [DONE]\n\n"
 
 
-class _Recorder:
-    """Stands in for `relay._Stream`: keeps what `relay._read_small` delivers."""
-
-    def __init__(self) -> None:
-        self.ids: dict[int, list[int]] = {}
-        self.logps: dict[int, list[int]] = {}  # float64 bits: -0.0 and 0.0 differ
-        self.totals: dict[int, int] = {}
-        self.others: list[bytes] = []
-
-    def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
-        self.ids.setdefault(idx, []).extend(ids.tolist())
-        self.logps.setdefault(idx, []).extend(logps.view(np.int64).tolist())
-        self.totals[idx] = total
-
-    def frame(self, frame: bytes) -> None:
-        self.others.append(bytes(frame))
-
-    def state(self) -> tuple[Any, ...]:
-        return self.ids, self.logps, self.totals, self.others
+def _object_records(raw: bytes) -> list[Any]:
+    """The records the object path gives (orjson on every frame), in commit order."""
+    states: dict[int, SampleState] = {}
+    out: list[Any] = []
+    for frame in raw.split(b"\n\n"):
+        if frame.startswith(b"data: {"):
+            obj = orjson.loads(frame[6:])
+            idx = obj.get("index", 0)
+            state = states.setdefault(idx, SampleState())
+            state.offer(obj)
+            if obj["meta_info"]["finish_reason"] is not None:
+                out.append(state.record(obj["meta_info"], fallback_prompt=None, vocab_size=None))
+                del states[idx]
+    return out
 
 
-def _read(buf: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
-    monkeypatch.setattr(relay, "FAST_DELTAS", fast)
-    rec = _Recorder()
-    end = relay._read_small(rec, buf, 0)  # type: ignore[arg-type]
-    return end, rec.state()
+def _captured(reads: list[bytes]) -> tuple[list[Any], int]:
+    """The records `relay.stream_capture` commits for a stream fed as ``reads``, in commit
+    order, and its wire errors."""
+    plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
+    assert plan is not None
+    got: list[HeldRecord] = []
+    counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+    feed = relay.stream_capture(Capturer(got.append, counters, None), plan)
+    for part in reads:
+        if part:
+            feed(part)
+    feed.close()
+    return [h.unpack() for h in got], counters["wire_errors"]
 
 
-def test_every_cut_reads_as_the_general_scan(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A read ending at every byte position of a 24-frame stream, and starting at every frame:
-    the same deltas (ids, log-prob bits, totals), the same other frames, the same end."""
-    raw = _stream(24)
-    starts = [0] + [i + 2 for i in range(len(raw)) if raw.startswith(b"\n\n", i)][:-1]
-    for start in starts[:4] + starts[-3:]:
-        for cut in range(start, len(raw) + 1):
-            buf = raw[start:cut]
-            assert _read(buf, True, monkeypatch) == _read(buf, False, monkeypatch), (start, cut)
+def _bits(values: Any) -> list[int]:
+    return np.asarray(values, dtype=np.float64).view(np.int64).tolist()
 
 
-def test_the_fast_scan_reads_plain_deltas_and_stops_at_the_last_frame() -> None:
-    raw = _stream(30)
-    view = np.frombuffer(raw, np.uint8)
-    rows, used, ids, logps, stopped = scan_deltas(view)
-    last = raw.rindex(b"data: {")
-    assert (used, stopped) == (last, True)
-    assert rows.tolist() == [[0, last, 1, 0, 29, 29, 0]]  # one row for the 29 deltas
-    frames = [orjson.loads(f[6:]) for f in raw[:last].split(b"\n\n")[:-1]]
-    want = [f["meta_info"]["output_token_logprobs"][0] for f in frames]
-    assert ids.tolist() == [w[1] for w in want]
-    got_bits = [struct.pack("<d", v) for v in logps.tolist()]
-    assert got_bits == [struct.pack("<d", float(w[0])) for w in want]
+def _same_records(got: list[Any], want: list[Any]) -> None:
+    """The same records, ids and log-prob bits (-0.0 and 0.0 differ), in commit order."""
+    assert [(r.output_ids, _bits(r.logp)) for r in got] == [
+        (r.output_ids, _bits(r.logp)) for r in want
+    ]
 
 
 @pytest.mark.parametrize(
     "raw",
     [
-        b"".join(_frame(i, 9, "a", "-0.5", i, index=0) for i in range(1, 9)),  # a batch's chunks
+        b"".join(_frame(i, 9, "a", "-0.5", i, index=0) for i in range(1, 10)),  # a batch's chunks
+        b"".join(_frame(i, 3, "a", "-0.5", i, index=k) for i in range(1, 4) for k in (0, 1)),
         _stream(6).replace(b'"input_token_logprobs":[]', b'"output_top_logprobs":[[]]', 1),
         _stream(6).replace(b'"finish_reason":null', b'"finish_reason":null,"finish_reason":null'),
         _stream(6).replace(b'"text":"', b'"text":"\\n\\"fi', 2),
         _stream(6)[:-14] + b"\n\n" + _stream(3),
+        _frame(1, 5, "x" * 900, "-1", 3) + b"".join(_frame(i, 5, "", "-2", 9) for i in range(2, 6)),
+        _stream(8).replace(b"[[-12.5,", b"[[-5e-324,", 1),  # a subnormal: the C parse refuses it
+        _stream(8).replace(b"[[-7,", b"[[-0.12345678901234567890123,", 1),  # > 19 digits
     ],
-    ids=["index", "top-k", "key-twice", "escaped-key-start", "empty-frame"],
-)
-def test_reads_it_must_not_take_are_left_to_the_general_scan(
-    raw: bytes, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert _read(raw, True, monkeypatch) == _read(raw, False, monkeypatch)
-    rows, used, *_ = scan_deltas(np.frombuffer(raw, np.uint8))
-    if b'"index":' in raw or b'"output_top_logprobs":' in raw or b'null,"finish' in raw:
-        assert used <= 0 and not len(rows)  # every frame has one: none is taken
+    ids=[
+        "index", "two-samples", "top-k", "key-twice", "escaped-key-start", "empty-frame",
+        "end-skipped", "subnormal-mid-stream", "long-mantissa-mid-stream",
+    ],
+)  # fmt: skip
+def test_frames_the_delta_scan_must_not_take_give_the_object_paths_records(raw: bytes) -> None:
+    """Frames the C scan declines or stops at (another sample's, top-k rows, a key twice, a
+    string starting like a key, a frame end skipped over, a number it does not convert exactly)
+    are read by the byte path or the object path: the records are the object path's, read in
+    one piece and cut at every 97th byte."""
+    want = _object_records(raw)
+    assert want
+    for reads in ([raw], [raw[at : at + 97] for at in range(0, len(raw), 97)]):
+        got, errors = _captured(reads)
+        assert errors == 0
+        _same_records(got, want)
 
 
-def test_a_frame_end_skipped_over_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A frame far shorter than the one before: its end lies before where the search starts;
-    the count of marks notices the merged frame and the general scan reads the read."""
-    long = _frame(1, 9, "x" * 900, "-1.5", 3)
-    short = b"".join(_frame(i, 9, "", "-2.5", 4) for i in range(2, 6))
-    raw = long + short
-    assert _read(raw, True, monkeypatch) == _read(raw, False, monkeypatch)
-    rows, used, ids, _, _ = scan_deltas(np.frombuffer(raw, np.uint8))
-    assert used == -1 or (used == len(raw) and len(ids) == 5)
-
-
-_FLOAT_TOKENS = st.one_of(
-    st.floats(allow_nan=False, allow_infinity=False).map(repr),
-    st.integers(-(10**20), 10**20).map(str),
-    st.tuples(st.integers(0, 10**18), st.integers(0, 40), st.booleans()).map(
-        lambda t: f"{'-' if t[2] else ''}{t[0] // 10 ** t[1] if t[1] < 19 else 0}.{t[0]:0{t[1]}d}"
-    ),
-)
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(_FLOAT_TOKENS, min_size=1, max_size=12))
-def test_log_probs_are_orjsons_floats_bit_for_bit(tokens: list[str]) -> None:
-    tokens = [t.replace("inf", "1e400") for t in tokens]
-    raw = b"".join(_frame(i + 1, 99, "t", tok, i) for i, tok in enumerate(tokens))
-    rows, used, ids, logps, _ = scan_deltas(np.frombuffer(raw, np.uint8))
-    if used <= 0:
-        return  # a token only the general scan reads (orjson decides)
-    frames = raw[:used].split(b"\n\n")[:-1]
-    want = [orjson.loads(f[6:])["meta_info"]["output_token_logprobs"][0][0] for f in frames]
-    assert logps.view(np.int64).tolist() == np.array(want, dtype=np.float64).view(np.int64).tolist()
-
-
-def _object_records(raw: bytes) -> dict[str, Any]:
-    state = SampleState()
-    for frame in raw.split(b"\n\n"):
-        if frame.startswith(b"data: {"):
-            out = orjson.loads(frame[6:])
-            state.offer(out)
-            if out["meta_info"]["finish_reason"] is not None:
-                rec = state.record(out["meta_info"], fallback_prompt=None, vocab_size=None)
-                return {rec.rid: rec}
-    return {}
-
-
-@pytest.mark.parametrize("batch", [1, relay.BATCH_BYTES], ids=["each-read", "kept"])
 def test_stream_capture_at_every_two_read_cut_equals_the_object_path(
-    batch: int, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`relay.stream_capture` (what the raw relay feeds) with the stream cut into two reads at
-    every byte, each read as it comes or both kept until `close`: the record is the object
-    path's."""
-    monkeypatch.setattr(relay, "BATCH_BYTES", batch)
+    every byte, each read as it comes: the record is the object path's."""
+    monkeypatch.setattr(relay, "BATCH_BYTES", 1)
     raw = _stream(14, shift=3)
-    body = {"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}
-    plan = plan_request(body, None)
-    assert plan is not None
-    want = _object_records(raw)["abc"]
+    want = _object_records(raw)
     for cut in range(len(raw) + 1):
-        got: list[HeldRecord] = []
-        counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
-        feed = relay.stream_capture(Capturer(got.append, counters, None), plan)
-        for part in (raw[:cut], raw[cut:]):
-            if part:
-                feed(part)
-        feed.close()
-        assert counters["wire_errors"] == 0
-        (rec,) = [h.unpack() for h in got]
-        assert rec.output_ids == want.output_ids, cut
-        assert np.array_equal(
-            np.asarray(rec.logp).view(np.int64), np.asarray(want.logp).view(np.int64)
-        )
+        got, errors = _captured([raw[:cut], raw[cut:]])
+        assert errors == 0, cut
+        _same_records(got, want)
 
 
 def test_a_capture_that_fails_is_counted_and_stops_without_raising(
@@ -262,7 +199,7 @@ def test_a_stream_fed_one_frame_per_read_equals_the_object_path(
     raw = _stream(60, shift=5)
     plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
     assert plan is not None
-    want = _object_records(raw)["abc"]
+    (want,) = _object_records(raw)
     got: list[HeldRecord] = []
     counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
     feed = relay.stream_capture(Capturer(got.append, counters, None), plan)

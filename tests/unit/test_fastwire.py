@@ -1,4 +1,5 @@
-"""The byte path (`proxy.sglang.fastwire`) against the object path (`proxy.sglang.wire`).
+"""The byte path (`proxy.sglang.fastwire`, where the C reader is built) against the object path
+(`proxy.sglang.wire`, the orjson fallback).
 
 Answers and stream chunks come from the SGLang stand-in (`tests/helpers/fake_sglang.py`, in
 process; real SGLang needs a GPU), written both as the stand-in writes them and as SGLang's
@@ -16,11 +17,19 @@ import orjson
 import pytest
 
 import tests.helpers.fake_sglang as fake
+from tests.helpers.readers import require_c
 from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
 from timwatch.sidecar.proxy.sglang.fastwire import FastSample, NotFast, finished, restore
 from timwatch.sidecar.proxy.sglang.wire import SampleState, dumps, plan_request
 
 TOPK = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _c_built() -> None:
+    require_c()
+
+
 CLIENTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "logprobs": {"return_logprob": True},

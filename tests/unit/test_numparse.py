@@ -1,14 +1,16 @@
-"""Compiled log-prob parsing (`proxy.jsonbytes.numbers`) against orjson, bit for bit, and the key
-search that skips a scanned list (`fastwire` holes).
+"""The C reader's log-prob parse (``csrc/numbers.h``, `native.triples`) against Python's
+``float()`` and orjson, both correctly rounded, bit for bit, and the key search that skips a
+read list (`fastwire` holes).
 
-Every float orjson reads, `triples_f64` must read to the same bits, or refuse; it may refuse
-only what it documents (subnormals, > 19 significant digits, out-of-range exponents) and must
-refuse every token that is not strict JSON.
+Every token it accepts must read to the bits ``float()`` gives. It must accept every strict JSON
+number with at most 19 significant digits, an exponent of at most 4 digits and a normal or zero
+result, and refuse what it documents (subnormal or infinite results, more than 19 significant
+digits, longer exponents) and every token that is not strict JSON: the caller then takes orjson.
 """
 
 from __future__ import annotations
 
-import subprocess
+import re
 import sys
 
 import numpy as np
@@ -17,34 +19,98 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from timwatch.sidecar.proxy.jsonbytes.numbers import POW5, triples_f64
+from tests.helpers.readers import require_c
+from timwatch.sidecar.proxy import native
 from timwatch.sidecar.proxy.sglang import fastwire
 from timwatch.sidecar.proxy.sglang.fastwire import FastSample, value_span
 
-TINY = 2.2250738585072014e-308  # the smallest normal double
+TINY = sys.float_info.min  # the smallest normal double
+_JSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _c_built() -> None:
+    require_c()
 
 
 def _read(tokens: list[bytes]) -> tuple[int, int, np.ndarray, np.ndarray, bytes]:
     buf = b"[" + b",".join(b"[%s,%d,null]" % (t, i) for i, t in enumerate(tokens)) + b"]"
-    count, end, ids, logps = triples_f64(np.frombuffer(buf, np.uint8), 0, POW5)
+    count, end, ids, logps = native.triples(buf, 0)
     return count, end, ids, logps, buf
 
 
 def _bits(values: np.ndarray) -> list[int]:
-    return values.view(np.int64).tolist()
+    return np.asarray(values, dtype=np.float64).view(np.int64).tolist()
+
+
+def _must_accept(token: bytes) -> bool:
+    """Strict JSON, at most 19 significant digits, an exponent of at most 4 digits, a normal
+    double or a zero written as one."""
+    m = _JSON_NUMBER.fullmatch(token)
+    if m is None:
+        return False
+    mantissa = (m.group(1) + (m.group(2) or b"")[1:]).lstrip(b"0")
+    exponent = (m.group(3) or b"e0")[1:].lstrip(b"+-")
+    value = float(token)
+    return (
+        len(mantissa) <= 19
+        and len(exponent) <= 4
+        and (not mantissa or TINY <= abs(value) < float("inf"))
+    )
+
+
+def _check(tokens: list[bytes]) -> None:
+    count, end, ids, logps, buf = _read(tokens)
+    if count < 0:
+        assert not all(_must_accept(t) for t in tokens), tokens
+        return
+    assert all(_JSON_NUMBER.fullmatch(t) for t in tokens)
+    assert (count, end, ids.tolist()) == (len(tokens), len(buf), list(range(len(tokens))))
+    # orjson reads "-0" as the int 0: +0.0, where float() gives -0.0
+    want = [float(orjson.loads(t)) for t in tokens]
+    assert want == [float(t) for t in tokens]
+    assert _bits(logps) == _bits(np.array(want))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.floats(allow_nan=False, allow_infinity=False), min_size=1, max_size=40))
-def test_every_double_reads_to_orjsons_bits_or_is_refused(values: list[float]) -> None:
+def test_every_double_reads_to_its_bits_or_is_refused_as_subnormal(values: list[float]) -> None:
     tokens = [orjson.dumps(v) for v in values]
-    count, end, ids, logps, buf = _read(tokens)
-    if any(0.0 < abs(v) < TINY for v in values):
-        assert count == -1  # subnormal: orjson decides
-        return
-    assert (count, end) == (len(values), len(buf))
-    assert ids.tolist() == list(range(len(values)))
-    assert _bits(logps) == _bits(np.array([orjson.loads(t) for t in tokens], dtype=np.float64))
+    count = _read(tokens)[0]
+    assert (count == -1) == any(0.0 < abs(v) < TINY for v in values)
+    _check(tokens)
+
+
+_DECIMALS = st.builds(
+    lambda sign, digits, point, exp, exp_sign, e: (
+        sign
+        + (digits[:point] or "0").lstrip("0").rjust(1, "0")
+        + ("." + digits[point:] if digits[point:] else "")
+        + (f"{e}{exp_sign}{exp}" if exp is not None else "")
+    ).encode(),
+    st.sampled_from(["", "-"]),
+    st.text("0123456789", min_size=1, max_size=26),
+    st.integers(0, 26),
+    st.one_of(st.none(), st.integers(0, 400), st.sampled_from([307, 308, 309, 322, 323, 324, 343])),
+    st.sampled_from(["", "+", "-"]),
+    st.sampled_from(["e", "E"]),
+)  # fmt: skip
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_DECIMALS)
+def test_generated_decimals_read_as_float_reads_them(token: bytes) -> None:
+    """Decimal strings of up to 26 digits (17+ digit mantissas, leading and trailing zeros) with
+    exponents up to and past both ends of the range (normal, subnormal, overflowing)."""
+    _check([token])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 2**53), st.integers(-1074, 971))
+def test_doubles_written_to_17_digits_near_the_range_edges(m: int, e2: int) -> None:
+    value = float(m) * 2.0**e2 if -1022 <= e2 + m.bit_length() <= 1024 else 1.0
+    for token in (b"%.17g" % value, b"%.16e" % value, repr(value).encode()):
+        _check([token.replace(b"inf", b"1e400")])
 
 
 def test_float32_log_probs_as_sglang_writes_them() -> None:
@@ -72,6 +138,8 @@ def test_float32_log_probs_as_sglang_writes_them() -> None:
         (b"1.7976931348623157e308", 1.7976931348623157e308),
         (b"2.2250738585072014e-308", TINY),
         (b"-0.10000000149011612", -0.10000000149011612),
+        (b"1234567890123456789", 1234567890123456789.0),  # 19 digits: read
+        (b"0.000000000000000000000000000001", 1e-30),  # leading zeros are not significant
     ],
 )
 def test_hand_picked_tokens(token: bytes, value: float) -> None:
@@ -84,7 +152,7 @@ def test_hand_picked_tokens(token: bytes, value: float) -> None:
 @pytest.mark.parametrize(
     "token",
     [b"01", b"1.", b".5", b"-", b"1e", b"1e+", b"--1", b"+1", b"NaN", b"1.0e99999", b"1e400"]
-    + [b"12345678901234567890", b"0.1000000000000000000001", b"5e-324", b'"1"'],
+    + [b"12345678901234567890", b"0.1000000000000000000001", b"5e-324", b'"1"', b"1e-400"],
 )
 def test_refuses_what_is_not_strict_json_or_not_exact_here(token: bytes) -> None:
     assert _read([token])[0] == -1
@@ -92,8 +160,9 @@ def test_refuses_what_is_not_strict_json_or_not_exact_here(token: bytes) -> None
 
 def test_refuses_other_triple_shapes() -> None:
     for buf in (b"[[-1.5,3]]", b'[[-1.5,3,"a"]]', b"[[-1.5,-3,null]]", b"[-1.5]", b"{}"):
-        assert triples_f64(np.frombuffer(buf, np.uint8), 0, POW5)[0] == -1
-    assert triples_f64(np.frombuffer(b"[]", np.uint8), 0, POW5)[:2] == (0, 2)
+        assert native.triples(buf, 0)[0] == -1
+    assert native.triples(b"[]", 0)[:2] == (0, 2)
+    assert native.triples(b'{"k":[[-2.5,7,null]]}', 5)[:2] == (1, 20)
 
 
 def _answer(logps: list[float], prompt: bool) -> bytes:
@@ -116,10 +185,10 @@ def _answer(logps: list[float], prompt: bool) -> bytes:
 
 
 @pytest.mark.parametrize("prompt", [True, False])
-@pytest.mark.parametrize("logps", [[-0.5, -1.25, -3.0], [-0.5, 5e-324, -1.0]])
-def test_answer_read_with_the_hole_equals_the_full_search(logps: list[float], prompt: bool) -> None:
-    """A subnormal takes orjson's path; key searches that skip the log-prob list find what a
-    search over the whole answer finds."""
+def test_answer_read_with_the_hole_equals_the_full_search(prompt: bool) -> None:
+    """Key searches that skip the log-prob list find what a search over the whole answer
+    finds."""
+    logps = [-0.5, -1.25, -3.0]
     buf = _answer(logps, prompt)
     sample = FastSample()
     sample.take_answer(buf)
@@ -136,14 +205,6 @@ def test_answer_read_with_the_hole_equals_the_full_search(logps: list[float], pr
     assert sample._hole_in(bytes(bytearray(buf))) is None  # another buffer: searched whole
 
 
-def test_warm_up_compiles_every_scanner_of_the_answer_path() -> None:
-    """In a fresh interpreter, so nothing else compiled them first."""
-    code = (
-        "from timwatch.sidecar.proxy.jsonbytes import scan, numbers as numparse\n"
-        "fns = (numparse.triples_f64, scan.scan_triples, scan.scan_rows, scan.scan_ints)\n"
-        "assert not any(f.signatures for f in fns)\n"
-        "numparse.warm_up()\n"
-        "print([len(f.signatures) for f in fns])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[1, 1, 1, 1]"
+def test_an_answer_with_a_subnormal_is_refused_for_the_object_path() -> None:
+    with pytest.raises(fastwire.NotFast):
+        FastSample().take_answer(_answer([-0.5, 5e-324, -1.0], True))

@@ -1,12 +1,10 @@
-/* The stream reader's two hot loops in C: `dechunk` (dechunk.py's `_dechunk`) and
- * `scan_deltas` (deltascan.py's `_walk` and its mark count, with numparse.py's
- * correctly rounded log-prob parse). Each is the same algorithm as its numba twin, answer for
- * answer (test_dechunk.py and test_deltascan.py run on both; test_cstream.py compares them on
- * generated streams). Where the time goes differs: here frame ends and quotes are found with
- * libc's memchr, copies are memcpy, and the mark count sums its flags 32 byte lanes at a time,
- * none of which numba's loops compile to. Built when a C compiler is there (setup.py,
- * optional); the Python modules fall back to numba when it is not. The GIL is released while
- * they run.
+/* The proxies' compiled reader: de-chunking (csrc/dechunk.h), the scan of an incremental
+ * stream's delta frames (csrc/deltas.h), log-prob triples read into arrays, correctly rounded
+ * (csrc/numbers.h), and JSON's structure walked for the spans of values and one member's
+ * values in an array of objects (csrc/jsonwalk.h).
+ * Without this module (no C compiler at install, or TIMWATCH_NATIVE=0) the proxies read every
+ * frame and answer whole with orjson, and give the same records (tests/unit/test_cstream.py).
+ * Each function checks the sizes of the buffers it writes, and releases the GIL while it runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,6 +13,7 @@
 
 #include "csrc/dechunk.h"
 #include "csrc/deltas.h"
+#include "csrc/jsonwalk.h"
 #include "csrc/numbers.h"
 
 /* ---------------------------------------------------------------- Python bindings */
@@ -82,12 +81,89 @@ static PyObject *py_scan_deltas(PyObject *self, PyObject *args) {
     return res;
 }
 
+static PyObject *py_triples(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf, ids, vals, table;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "y*nw*w*y*", &buf, &pos, &ids, &vals, &table)) return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t room = ((buf.len - pos) / 10 + 1) * 8;
+    if (pos < 0 || pos > buf.len) {
+        PyErr_SetString(PyExc_ValueError, "pos outside the buffer");
+    } else if (need(&ids, room, "ids") && need(&vals, room, "vals") &&
+               need(&table, 2 * (Q_MAX - Q_MIN + 1) * 8, "table")) {
+        i64 count, end;
+        Py_BEGIN_ALLOW_THREADS;
+        count = triples_into((const uint8_t *)buf.buf, buf.len, pos, (i64 *)ids.buf,
+                             (double *)vals.buf, 0, (const u64 *)table.buf, &end);
+        Py_END_ALLOW_THREADS;
+        res = Py_BuildValue("LL", (long long)count, (long long)end);
+    }
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&vals);
+    PyBuffer_Release(&table);
+    return res;
+}
+
+static PyObject *py_walk(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf, rows;
+    Py_ssize_t max_depth, max_array_depth;
+    if (!PyArg_ParseTuple(args, "y*nnw*", &buf, &max_depth, &max_array_depth, &rows)) return NULL;
+    i64 got;
+    i64 cap = rows.len / (W_COLS * (Py_ssize_t)sizeof(i64));
+    Py_BEGIN_ALLOW_THREADS;
+    got = walk_json((const uint8_t *)buf.buf, buf.len, max_depth, max_array_depth,
+                    (i64 *)rows.buf, cap);
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&rows);
+    return PyLong_FromLongLong((long long)got);
+}
+
+static PyObject *py_member_values(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf, key;
+    Py_ssize_t pos;
+    if (!PyArg_ParseTuple(args, "y*ny*", &buf, &pos, &key)) return NULL;
+    PyObject *res = NULL;
+    if (pos < 0 || pos > buf.len) {
+        PyErr_SetString(PyExc_ValueError, "pos outside the buffer");
+    } else {
+        PyObject *out = PyBytes_FromStringAndSize(NULL, buf.len - pos + 2);
+        if (out != NULL) {
+            i64 count, length;
+            uint8_t *to = (uint8_t *)PyBytes_AS_STRING(out);
+            Py_BEGIN_ALLOW_THREADS;
+            count = member_values((const uint8_t *)buf.buf, buf.len, pos,
+                                  (const uint8_t *)key.buf, key.len, to, &length);
+            Py_END_ALLOW_THREADS;
+            if (_PyBytes_Resize(&out, count < 0 ? 0 : length) == 0)
+                res = Py_BuildValue("LN", (long long)count, out);
+        }
+    }
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&key);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"dechunk", py_dechunk, METH_VARARGS,
-     "dechunk(data, state) -> the body bytes data carries (dechunk.py's _dechunk)"},
+     "dechunk(data, state) -> the body bytes data carries; state: (phase, left, digits, "
+     "line, safe) int64"},
     {"scan_deltas", py_scan_deltas, METH_VARARGS,
      "scan_deltas(buf, small, rows, ids, vals, pow5) -> (rows, consumed, values, stopped); "
-     "consumed -1: declined (deltascan.py's _scan_deltas)"},
+     "consumed -1: declined"},
+    {"triples", py_triples, METH_VARARGS,
+     "triples(buf, pos, ids, vals, pow5) -> (count, end): the [[logprob,id,null],...] list at "
+     "buf[pos]; count -1: refused"},
+    {"walk", py_walk, METH_VARARGS,
+     "walk(buf, max_depth, max_array_depth, rows) -> row count; -1: not one JSON object, "
+     "-2: rows too short"},
+    {"member_values", py_member_values, METH_VARARGS,
+     "member_values(buf, pos, key) -> (count, json): each object's scalar value of member key "
+     "in the array at buf[pos], as one JSON list; count -1: refused"},
     {NULL, NULL, 0, NULL},
 };
 

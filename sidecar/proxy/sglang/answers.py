@@ -1,8 +1,10 @@
 """Capturing non-streamed ``/generate`` answers: the client's bytes first, the capture after.
 
-An answer is first read on its bytes (`proxy.sglang.fastwire`); whatever that path refuses (batch
-answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
-(`proxy.sglang.wire`, whole-JSON parse). Both give the client the same bytes.
+Where the C reader is built (`native`), an answer is first read on its bytes
+(`proxy.sglang.fastwire`); whatever that path refuses (batch answers, token text in the
+log-probs, a number it does not convert exactly, SGLang before 0.5.3) takes the object path
+(`proxy.sglang.wire`, orjson on the whole answer), the only path without the C reader. Both
+give the client the same bytes and the same records.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ..native import cstream
 from ..records import HeldRecord
 from .fastwire import FastSample, NotFast, finished, restore
 from .wire import (
@@ -63,7 +66,7 @@ def answer_parts(
 ) -> tuple[bytes, Callable[[], None] | None]:
     """The client's bytes of a non-streamed answer, and the capture still to run (None if it
     already ran): the proxy sends the bytes first, so capturing adds nothing to the latency."""
-    if not content.startswith(b"{"):
+    if cstream() is None or not content.startswith(b"{"):
         return _answer_objects(cap, plan, content), None
     try:
         client = restore(content, plan, 0) if plan.changed else content

@@ -43,7 +43,6 @@ from ..http.forward import (
 )
 from ..http.relay import ProxyApp
 from ..records import HeldRecord
-from ..warmup import warm_up
 from .answers import Capturer, answer_parts
 from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from .stream import relay_stream, stream_capture
@@ -186,7 +185,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with upstream_client(state) as client:
-            warm_up("sglang")  # compile the byte path's scanners now, not on the first request
             # Everything allocated so far lives as long as the proxy: keep it out of the
             # collector's scans, which then only walk what requests allocate.
             gc.freeze()

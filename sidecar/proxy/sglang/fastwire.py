@@ -2,15 +2,16 @@
 
 `proxy.sglang.wire` parses every answer into Python objects; a 4,096-token answer is ~4,000
 small lists, and a cumulative stream repeats all of them in every chunk. This module works on the
-compact JSON SGLang writes instead:
+compact JSON SGLang writes instead, and runs only where the C reader is built (`native`):
 
 * Keys and the quote-free values after them (``output_token_logprobs``, the top-k rows,
   ``prompt_token_ids``, ...) are found on the bytes by `proxy.sglang.keyspan`, which refuses
   (`NotFast`) any value with a string in it; the caller then takes the object path, so this
   module never guesses.
-* Triples ``[logprob, token_id, null]`` become one flat JSON list of numbers (brackets and the
-  null texts dropped) that orjson reads into a single list, turned into arrays at once: no
-  per-token Python containers, nothing for the garbage collector to trace.
+* The triples ``[logprob, token_id, null]`` are read straight into arrays by the C reader
+  (`native.triples`), each log-prob the double orjson gives; a list it refuses (another
+  shape, a number it does not convert exactly) is `NotFast`. The top-k rows and the prompt's
+  ids (small, or asked for only with ``--topk``) are read by orjson from their spans.
 
 A non-streamed answer or a stream chunk for one sample is captured by `FastSample`; `restore`
 cuts what the proxy added out of the bytes. Both refuse anything they cannot do exactly.
@@ -25,19 +26,17 @@ import numpy as np
 import orjson
 
 from ....monitor.core.errors import NotFast
-from ..jsonbytes.numbers import POW5, triples_f64
-from ..jsonbytes.scan import scan_ints, scan_rows, scan_triples
+from .. import native
 from ..records import HeldRecord, topk_entropy_bounds_rows, version_runs
 from .keyspan import (
     Hole,
-    _find,
     _int_value,
     _u8,
     finished,
     stream_index,
     value_span,
 )
-from .wire import RequestPlan, WireError, finish_type
+from .wire import RequestPlan, SampleState, WireError, finish_type
 
 __all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
 
@@ -64,43 +63,32 @@ _BULK_KEYS = (
 )
 
 
-def _floats(tokens: np.ndarray, count: int) -> np.ndarray:
-    try:
-        values = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64)
-    except (orjson.JSONDecodeError, TypeError, ValueError):
-        raise NotFast("a log-prob is not a number") from None
-    if values.shape != (count,):
-        raise NotFast("log-prob count")
-    return values
-
-
 def _triples(buf: bytes, key: bytes) -> tuple[np.ndarray, np.ndarray, tuple[int, int]] | None:
-    """Ids, log-probs and the list's span (a `Hole`); the log-probs parsed in compiled code
-    (`numparse`), or by orjson where that path refuses a token."""
+    """Ids, log-probs and the list's span (a `Hole`), read by the C reader."""
     pat = b'"' + key + b'":'
     k = buf.find(pat)
     if k < 0:
         return None
-    v, u = k + len(pat), _u8(buf)
-    count, end, ids, logps = triples_f64(u, v, POW5)
-    if count >= 0:
-        return ids, logps, (v, end)
-    count, end, ids, tokens = scan_triples(u, v)
+    v = k + len(pat)
+    count, end, ids, logps = native.triples(buf, v)
     if count < 0:
-        raise NotFast(f"{key.decode()}: not [[logprob,id,null],...]")
-    return ids, _floats(tokens, count), (v, end)
+        raise NotFast(f"{key.decode()}: not [[logprob,id,null],...] with exact numbers")
+    return ids, logps, (v, end)
 
 
 def _top_logps(buf: bytes, n: int, hole: Hole = None) -> np.ndarray | None:
     """``output_top_logprobs`` as an ``(n, k)`` array; refuses null or ragged rows."""
-    pat = b'"output_top_logprobs":'
-    k = _find(buf, pat, hole)
-    if k < 0:
+    span = value_span(buf, b"output_top_logprobs", hole=hole)
+    if span is None:
         return None
-    rows, width, _, tokens = scan_rows(_u8(buf), k + len(pat))
-    if rows != n:
+    try:
+        rows = orjson.loads(buf[span[1] : span[2]])
+        values = np.array([[t[0] for t in row] for row in rows], dtype=np.float64)
+    except (orjson.JSONDecodeError, TypeError, ValueError, IndexError, KeyError):
+        raise NotFast("top-k rows are null, ragged or not triples") from None
+    if values.ndim != 2 or values.shape[0] != n or len(rows) != n:
         raise NotFast("top-k rows are null or ragged, or not one per token")
-    return _floats(tokens, rows * width).reshape(rows, width)
+    return values
 
 
 # Bytes one [logprob,id,null] triple takes in a list, at least and at most (a 24-character
@@ -146,7 +134,7 @@ class FastSample:
         self.total, self.pending, self.lazy = total, None, (buf, lo, hi)
 
     def offer_delta(self, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
-        """An unfinished chunk already read (by `scan.scan_frames`): same rules as `offer`."""
+        """An unfinished chunk already read (by `native.scan_deltas`): same rules as `offer`."""
         self.total = total
         self._keep_chunk(ids, logps, None, total)
 
@@ -168,6 +156,29 @@ class FastSample:
                 f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
             )
         self._keep(ids, logps, top, delta=delta)
+
+    def to_objects(self) -> SampleState:
+        """What this sample holds so far, as the object path holds it: a chunk this path
+        refuses mid-stream goes on there (`SampleState.offer`), with the tokens read before."""
+        state = SampleState()
+        if self.n:
+            state.ids = np.concatenate(self.ids).tolist()
+            state.logps = np.concatenate(self.logps).tolist()
+        if self.tops is not None:
+            state.tops = [row for rows in self.tops for row in rows.tolist()]
+        if self.prompt is not None:
+            state.prompt_ids = self.prompt.tolist()
+        pending = self.pending
+        if self.lazy is not None:
+            buf, lo, hi = self.lazy
+            pending = buf[lo:hi]
+        if pending is not None:
+            out = orjson.loads(pending)
+            state.pending = {
+                "meta_info": dict(out["meta_info"]),
+                "prompt_token_ids": out.get("prompt_token_ids"),
+            }
+        return state
 
     def take_answer(self, answer: bytes) -> None:
         ids, logps, top, hole = _read(answer)
@@ -213,14 +224,16 @@ class FastSample:
             self.tops = (self.tops or []) + [top]
 
     def _prompt(self, buf: bytes) -> None:
-        pat = b'"prompt_token_ids":'
-        k = _find(buf, pat, self._hole_in(buf))
-        if k < 0:
+        span = value_span(buf, b"prompt_token_ids", hole=self._hole_in(buf))
+        if span is None:
             return
-        count, _, values = scan_ints(_u8(buf), k + len(pat))
-        if count < 0:
+        try:
+            values = np.array(orjson.loads(buf[span[1] : span[2]]))
+        except (orjson.JSONDecodeError, ValueError):
+            raise NotFast("prompt_token_ids: not a list of ints") from None
+        if values.ndim != 1 or (values.size and values.dtype.kind != "i"):
             raise NotFast("prompt_token_ids: not a list of ints")
-        self.prompt = values.copy()
+        self.prompt = values.astype(np.int64)
 
     def record(
         self,

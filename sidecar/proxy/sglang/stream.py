@@ -1,9 +1,12 @@
 """Capturing ``/generate`` streams while relaying them to the client.
 
-Each stream chunk is first read on its bytes (`proxy.sglang.fastwire`); whatever that path refuses
-(batch answers, token text in the log-probs, SGLang before 0.5.3) takes the object path
-(`proxy.sglang.wire`, whole-JSON parse). Both give the client the same bytes. A sample stays
-on the path its first chunk took. Non-streamed answers: `proxy.sglang.answers`.
+Where the C reader is built (`native`), runs of one sample's small delta frames are read by
+`native.scan_deltas` and every other chunk on its bytes (`proxy.sglang.fastwire`); whatever
+that path refuses (token text in the log-probs, a number it does not convert exactly, SGLang
+before 0.5.3) takes the object path (`proxy.sglang.wire`, orjson on the whole frame), which
+is also the only path without the C reader. Both give the client the same bytes and the same
+records; a sample refused mid-stream goes on on the object path with what it held.
+Non-streamed answers: `proxy.sglang.answers`.
 
 Streams are cut into ``data: ...\\n\\n`` frames as bytes arrive, searching only the bytes not
 searched yet, and every frame complete in one read is relayed in one write.
@@ -15,11 +18,9 @@ import logging
 from collections.abc import AsyncIterator
 
 import numpy as np
-import orjson
 
-from ..jsonbytes.scan import KIND_DELTA, KIND_OTHER, scan_frames
+from ..native import cstream, scan_deltas
 from .answers import Capturer
-from .deltascan import scan_deltas
 from .fastwire import (
     MAX_TRIPLE,
     MIN_TRIPLE,
@@ -42,12 +43,9 @@ __all__ = ["BATCH_BYTES", "StreamReads", "relay_stream", "stream_capture"]
 
 log = logging.getLogger(__name__)
 
-# Stream chunks up to this size are read by the compiled scans (`_read_small`), larger ones on
+# Stream chunks up to this size are read by the C delta scan (`_read_small`), larger ones on
 # their own.
 _SMALL_FRAME = 4096
-# Runs of one sample's small deltas are read by `deltascan.scan_deltas` first (False: every
-# small frame by `scan.scan_frames`, as before it; kept for A/B measurements).
-FAST_DELTAS = True
 # Reads shorter than this are kept and read together (`StreamReads`): an engine decoding writes
 # one frame per token, so a proxy that keeps up gets one frame per read, and reading each alone
 # cost several times the frame's bytes.
@@ -101,27 +99,46 @@ class _Stream:
         return True
 
     def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
-        """An unfinished chunk a compiled scan read (`_read_small`: an unchanged request's
-        stream)."""
-        if idx in self.on_objects:
-            return  # cannot happen with SGLang: its samples do not change shape mid-stream
-        sample = self.fast.get(idx)
-        if sample is None:
-            sample = self.fast[idx] = FastSample()
+        """An unfinished chunk the C delta scan read (`_read_small`: an unchanged request's
+        stream). A sample on the object path (the byte path refused one of its chunks: a number
+        the C parse does not convert exactly) takes it there."""
+        if idx not in self.on_objects:
+            sample = self.fast.get(idx)
+            if sample is None:
+                sample = self.fast[idx] = FastSample()
+            try:
+                sample.offer_delta(ids, logps, total)
+                return
+            except NotFast as exc:
+                self.fast.pop(idx, None)
+                self.on_objects.add(idx)
+                try:
+                    self.slow[idx] = sample.to_objects()
+                except (ValueError, KeyError, TypeError):
+                    self.cap.wire_error(f"stream sample {idx}", exc)
+                    return
+            except (WireError, ValueError) as exc:
+                self.fast.pop(idx, None)
+                self.cap.wire_error(f"stream sample {idx}", exc)
+                return
+        triples = [[lp, tid, None] for lp, tid in zip(logps.tolist(), ids.tolist(), strict=True)]
+        meta = {
+            "finish_reason": None,
+            "output_token_logprobs": triples,
+            "output_token_logprobs_length": total,
+        }
         try:
-            sample.offer_delta(ids, logps, total)
-        except NotFast as exc:
-            self.fast.pop(idx, None)
-            self.on_objects.add(idx)
-            self.cap.wire_error(f"stream sample {idx}", exc)
+            self.slow.setdefault(idx, SampleState()).offer({"meta_info": meta})
         except (WireError, ValueError) as exc:
-            self.fast.pop(idx, None)
+            self.slow.pop(idx, None)
             self.cap.wire_error(f"stream sample {idx}", exc)
 
     def frame(self, frame: bytes) -> bytes:
         if not frame.startswith(b"data: {"):
             return frame
         payload = frame[6:-2]
+        if cstream() is None:
+            return self._objects(frame, payload)
         if self.indexed is None:
             self.indexed = payload.find(b'"index":') >= 0
         try:
@@ -151,10 +168,14 @@ class _Stream:
                 self.cap.commit(rec)
         except NotFast as exc:
             self.fast.pop(idx, None)
-            if fresh:
-                return self._objects(frame, payload)
-            self.on_objects.add(idx)
-            self.cap.wire_error(f"stream sample {idx}", exc)
+            if not fresh:
+                try:
+                    self.slow[idx] = sample.to_objects()
+                except (ValueError, KeyError, TypeError):
+                    self.on_objects.add(idx)
+                    self.cap.wire_error(f"stream sample {idx}", exc)
+                    return frame if client is payload else b"data: " + client + b"\n\n"
+            return self._objects(frame, payload)
         except (WireError, ValueError) as exc:
             self.fast.pop(idx, None)
             self.cap.wire_error(f"stream sample {idx}", exc)
@@ -350,29 +371,28 @@ def _terminator(buf: bytes | bytearray, start: int) -> int:
 
 
 def _read_small(stream: _Stream, buf: bytes, pos: int) -> int:
-    """Read the frames from ``buf[pos]`` in compiled passes, the bytes not copied: a run of
-    one sample's deltas by `deltascan.scan_deltas`, the frames from where it stopped by
-    `scan.scan_frames`; returns where the first frame not complete in ``buf`` starts."""
-    view = np.frombuffer(buf, dtype=np.uint8)[pos:]
-    if FAST_DELTAS:
-        rows, used, ids, logps, stopped = scan_deltas(view, _SMALL_FRAME)
+    """Read the complete frames from ``buf[pos]``, the bytes not copied: runs of one sample's
+    deltas by the C scan (`native.scan_deltas`), every frame it stops at, and every frame of a
+    read it declines, by `_Stream.frame`; returns where the first frame not complete in ``buf``
+    starts. Without the C reader every frame goes to `_Stream.frame`."""
+    declined = cstream() is None
+    while not declined:
+        rows, used, ids, logps, stopped = scan_deltas(
+            np.frombuffer(buf, dtype=np.uint8)[pos:], _SMALL_FRAME
+        )
         if used > 0:
-            _deliver(stream, buf, pos, rows, ids, logps)
+            for _start, _end, _kind, idx, total, count, at in rows.tolist():
+                stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
             pos += used
             if not stopped:
                 return pos
-            view = view[used:]
-    rows, used, ids, tokens = scan_frames(view, _SMALL_FRAME)
-    logps = np.array(orjson.loads(tokens.tobytes()), dtype=np.float64) if len(ids) else ids
-    _deliver(stream, buf, pos, rows, ids, logps)
-    return pos + int(used)
-
-
-def _deliver(
-    stream: _Stream, buf: bytes, pos: int, rows: np.ndarray, ids: np.ndarray, logps: np.ndarray
-) -> None:
-    for start, end, kind, idx, total, count, at in rows.tolist():
-        if kind == KIND_DELTA:
-            stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
-        elif kind == KIND_OTHER:
-            stream.frame(buf[pos + start : pos + end])
+        declined = used < 0
+        cut = _terminator(buf, pos)
+        if cut < 0:
+            return pos
+        stream.frame(buf[pos : cut + 2])
+        pos = cut + 2
+    while (cut := _terminator(buf, pos)) >= 0:
+        stream.frame(buf[pos : cut + 2])
+        pos = cut + 2
+    return pos

@@ -42,7 +42,6 @@ from ..http.forward import (
 )
 from ..sglang.app import ProxyState
 from ..sglang.wire import dumps, loads
-from ..warmup import warm_up
 from .capture import (
     COUNTER_NAMES,
     VllmCapturer,
@@ -171,7 +170,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with upstream_client(state):
-            warm_up("vllm")  # compile the byte walks now, not on the first client's request
             gc.freeze()
             yield
 

@@ -5,11 +5,12 @@ The proxy asks vLLM for what the sidecar needs (`plan_request`): the sampled tok
 the token ids (``return_token_ids: true``). vLLM writes every field of its answer models, so a
 field the client did not ask for is present as ``null`` (non-streamed: ``model_dump()``;
 streamed: ``model_dump_json(exclude_unset=True)`` with the field passed explicitly). Restoring
-an answer therefore replaces the added members' values by ``null`` in place (`edit_answer`); all
-other bytes are the upstream's. The structure is walked by `proxy.jsonbytes.span`, so a string that
-happens to contain a key never matches.
+an answer therefore replaces the added members' values by ``null`` (`edit_answer`): in place
+where the C reader is built (its structural walk gives each member's span, so a string that
+happens to contain a key never matches), all other bytes the upstream's; without it the answer
+is written again by orjson, the same JSON (`proxy.vllm.tree`).
 
-What is read per choice (object path: none; nothing here builds per-token Python objects):
+What is read per choice:
 
 * ids: ``choices[i].token_ids``; log-probs: ``choices[i].logprobs.token_logprobs``
   (completions) or each ``choices[i].logprobs.content[t].logprob`` (chat, generate);
@@ -29,11 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 
 from ....monitor.core.errors import NotFast, WireError
-from ..jsonbytes.scan import scan_ints
-from ..jsonbytes.span import member_numbers, u8, walk
+from .tree import Node, Tree, ints, tree_of
 
 __all__ = [
     "KINDS",
@@ -43,7 +42,6 @@ __all__ = [
     "edit_answer",
     "SAMPLING_KEYS",
     "CLAMPED_LOGPROB",
-    "warm_up",
 ]
 
 KINDS = ("completions", "chat", "generate")
@@ -52,7 +50,6 @@ KINDS = ("completions", "chat", "generate")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
 #: vLLM's OpenAI layer writes -inf as this value.
 CLAMPED_LOGPROB = -9999.0
-_LOGPROB = np.frombuffer(b"logprob", dtype=np.uint8).copy()
 
 
 @dataclass
@@ -138,53 +135,10 @@ def plan_request(kind: str, body: Any) -> VllmPlan | None:
     )
 
 
-class _Tree:
-    """`jsonspan.walk`'s rows as lookups: members by container row and key, items in order."""
-
-    def __init__(self, buf: bytes, arr: np.ndarray) -> None:
-        rows = walk(arr, 4, 2)  # down to choices[i].logprobs' members
-        if rows.shape[0] == 0:
-            raise NotFast("not one JSON object")
-        self.buf = buf
-        self.spans: list[tuple[int, int]] = []
-        self.members: dict[tuple[int, bytes], int] = {}
-        self.items: dict[int, list[int]] = {}
-        for r, (parent, _d, ks, ke, vs, ve, _i) in enumerate(rows.tolist()):
-            self.spans.append((vs, ve))
-            if ks >= 0:
-                self.members[(parent, buf[ks:ke])] = r
-            elif parent >= 0:
-                self.items.setdefault(parent, []).append(r)
-
-    def get(self, row: int, key: bytes) -> tuple[int, int] | None:
-        r = self.members.get((row, key))
-        return None if r is None else self.spans[r]
-
-    def row(self, row: int, key: bytes) -> int | None:
-        return self.members.get((row, key))
-
-
-def _ints(buf: bytes, arr: np.ndarray, span: tuple[int, int], where: str) -> np.ndarray:
-    count, end, values = scan_ints(arr, span[0])
-    if count >= 0 and end == span[1]:
-        return values.copy()
+def _floats(values: Any, where: str) -> np.ndarray:
     try:
-        obj = orjson.loads(buf[span[0] : span[1]])
-    except orjson.JSONDecodeError:
-        raise WireError(f"{where}: not JSON") from None
-    if not isinstance(obj, list):
-        raise WireError(f"{where}: expected a list of token ids (send return_token_ids: true)")
-    try:
-        return np.array(obj, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise WireError(f"{where}: token ids must be ints") from None
-
-
-def _floats(text: bytes, where: str) -> np.ndarray:
-    try:
-        values = orjson.loads(text)
         out = np.array(values, dtype=np.float64)
-    except (orjson.JSONDecodeError, TypeError, ValueError):
+    except (TypeError, ValueError):
         raise WireError(f"{where}: log-probs must be numbers") from None
     if out.ndim != 1:
         raise WireError(f"{where}: expected a list of numbers")
@@ -192,31 +146,21 @@ def _floats(text: bytes, where: str) -> np.ndarray:
     return out
 
 
-def _logps(tree: _Tree, arr: np.ndarray, lp_row: int, kind: str, where: str) -> np.ndarray:
-    buf = tree.buf
+def _logps(tree: Tree, lp: Node, kind: str, where: str) -> np.ndarray:
     if kind == "completions":
-        got = tree.get(lp_row, b"token_logprobs")
+        got = tree.member(lp, "token_logprobs")
         if got is None:
             raise WireError(f"{where}.token_logprobs: missing")
-        return _floats(buf[got[0] : got[1]], f"{where}.token_logprobs")
-    got = tree.get(lp_row, b"content")
-    if got is None:
+        return _floats(tree.value(got), f"{where}.token_logprobs")
+    content = tree.member(lp, "content")
+    if content is None:
         raise WireError(f"{where}.content: missing")
-    if buf[got[0] : got[1]] == b"null":
+    if tree.is_null(content):
         return np.zeros(0)
-    count, text = member_numbers(arr, got[0], _LOGPROB)
-    if count < 0:
+    values = tree.column(content, "logprob")
+    if values is None:
         raise WireError(f"{where}.content: not a list of {{logprob: number}} objects")
-    return _floats(text.tobytes(), f"{where}.content[].logprob")
-
-
-def _small(buf: bytes, span: tuple[int, int] | None) -> Any:
-    if span is None:
-        return None
-    try:
-        return orjson.loads(buf[span[0] : span[1]])
-    except orjson.JSONDecodeError:
-        raise NotFast("not JSON") from None
+    return _floats(values, f"{where}.content[].logprob")
 
 
 def edit_answer(
@@ -232,71 +176,71 @@ def edit_answer(
     top-level values (``id``, ``request_id``, weight versions). Raises `NotFast` when ``buf``
     is not one JSON object with a ``choices`` list, `WireError` when a choice lacks what was
     asked for."""
-    arr = u8(buf)
-    tree = _Tree(buf, arr)
-    cuts: list[tuple[int, int]] = []
-    if plan.cut_ids and (span := tree.get(0, b"prompt_token_ids")) is not None:
-        cuts.append(span)
+    tree = tree_of(buf)
+    root = tree.root
+    cuts: list[Node] = []
+    top_prompt = tree.member(root, "prompt_token_ids")
+    if plan.cut_ids and not tree.is_null(top_prompt):
+        cuts.append(top_prompt)
     info: dict[str, Any] = {}
-    for key in (b"id", b"request_id", b"weight_version", b"weight_versions"):
-        if (span := tree.get(0, key)) is not None:
-            info[key.decode()] = _small(buf, span)
+    for key in ("id", "request_id", "weight_version", "weight_versions"):
+        if (node := tree.member(root, key)) is not None:
+            info[key] = tree.value(node)
     prompt_top = None
-    if read and plan.kind == "chat" and (span := tree.get(0, b"prompt_token_ids")) is not None:
-        if buf[span[0] : span[1]] != b"null":
-            prompt_top = _ints(buf, arr, span, "prompt_token_ids")
-            info["prompt_token_ids"] = prompt_top
-    choices = tree.row(0, b"choices")
-    if choices is None or buf[tree.spans[choices][0]] != 0x5B:
+    if read and plan.kind == "chat" and not tree.is_null(top_prompt):
+        prompt_top = ints(tree, top_prompt, "prompt_token_ids")
+        info["prompt_token_ids"] = prompt_top
+    choices = tree.member(root, "choices")
+    items = None if choices is None else tree.items(choices)
+    if items is None:
         raise NotFast("no choices list")
     parts: list[ChoicePart] = []
-    for c, ch in enumerate(tree.items.get(choices, [])):
-        for key, cut in ((b"logprobs", plan.cut_logprobs), (b"token_ids", plan.cut_ids)):
-            if cut and (span := tree.get(ch, key)) is not None:
-                cuts.append(span)
-        if plan.cut_ids and (span := tree.get(ch, b"prompt_token_ids")) is not None:
-            cuts.append(span)
-        finish = _small(buf, tree.get(ch, b"finish_reason"))
-        delta = tree.get(ch, b"delta")
+    for c, ch in enumerate(items):
+        ids_node, lp = tree.member(ch, "token_ids"), tree.member(ch, "logprobs")
+        ch_prompt = tree.member(ch, "prompt_token_ids")
+        for node, cut in (
+            (lp, plan.cut_logprobs),
+            (ids_node, plan.cut_ids),
+            (ch_prompt, plan.cut_ids),
+        ):
+            if cut and not tree.is_null(node):
+                cuts.append(node)
+        finish = tree.value(tree.member(ch, "finish_reason"))
+        delta = tree.member(ch, "delta")
         bare = bool(
             plan.cut_logprobs
             and plan.cut_ids
             and finish is None
             and delta is not None
-            and buf[delta[0] : delta[1]] == b"{}"
+            and tree.value(delta) == {}
         )
         if not read:
             if bare:
                 parts.append(ChoicePart(0, np.zeros(0, np.int64), np.zeros(0), None, bare=True))
             continue
         where = f"choices[{c}]"
-        index = _small(buf, tree.get(ch, b"index"))
-        ids_span = tree.get(ch, b"token_ids")
-        lp_row = tree.row(ch, b"logprobs")
-        lp_span = None if lp_row is None else tree.spans[lp_row]
-        no_ids = ids_span is None or buf[ids_span[0] : ids_span[1]] == b"null"
-        no_lp = lp_span is None or buf[lp_span[0] : lp_span[1]] == b"null"
+        no_ids, no_lp = tree.is_null(ids_node), tree.is_null(lp)
         if no_ids and no_lp and plan.stream and finish is None:
             if bare:
                 parts.append(ChoicePart(0, np.zeros(0, np.int64), np.zeros(0), None, bare=True))
             continue  # a stream's role-only or empty chunk
-        if no_ids or ids_span is None:
+        if no_ids:
             raise WireError(f"{where}.token_ids: missing (send return_token_ids: true)")
-        ids = _ints(buf, arr, ids_span, f"{where}.token_ids")
-        if lp_row is None:
+        ids = ints(tree, ids_node, f"{where}.token_ids")
+        if lp is None:
             raise WireError(f"{where}.logprobs: missing")
         if no_lp:
             if ids.size:
                 raise WireError(f"{where}.logprobs: missing (log-probs not returned)")
             logps = np.zeros(0)
         else:
-            logps = _logps(tree, arr, lp_row, plan.kind, f"{where}.logprobs")
+            logps = _logps(tree, lp, plan.kind, f"{where}.logprobs")
         if logps.shape != ids.shape:
             raise WireError(f"{where}.logprobs: {logps.size} log-probs for {ids.size} token ids")
         prompt = prompt_top
-        if plan.kind == "completions" and (span := tree.get(ch, b"prompt_token_ids")) is not None:
-            if buf[span[0] : span[1]] != b"null":
-                prompt = _ints(buf, arr, span, f"{where}.prompt_token_ids")
+        if plan.kind == "completions" and not tree.is_null(ch_prompt):
+            prompt = ints(tree, ch_prompt, f"{where}.prompt_token_ids")
+        index = tree.value(tree.member(ch, "index"))
         parts.append(
             ChoicePart(
                 index=index if isinstance(index, int) else c,
@@ -304,46 +248,12 @@ def edit_answer(
                 logps=logps,
                 finish_reason=None if finish is None else str(finish),
                 prompt=prompt,
-                spans=_small(buf, tree.get(ch, b"weight_versions")),
-                version=_version(_small(buf, tree.get(ch, b"weight_version"))),
+                spans=tree.value(tree.member(ch, "weight_versions")),
+                version=_version(tree.value(tree.member(ch, "weight_version"))),
                 bare=bare,
             )
         )
-    if not cuts:
-        return buf, parts, info
-    cuts.sort()
-    out, at = [], 0
-    for lo, hi in cuts:
-        if buf[lo:hi] == b"null":
-            continue
-        out += [buf[at:lo], b"null"]
-        at = hi
-    if not out:
-        return buf, parts, info
-    out.append(buf[at:])
-    return b"".join(out), parts, info
-
-
-def warm_up() -> None:
-    """Run every compiled walk once (numba compiles, or loads its cache, on first use)."""
-    bodies: dict[str, dict[str, Any]] = {
-        "completions": {},
-        "chat": {},
-        "generate": {"token_ids": [], "sampling_params": {}},
-    }
-    for kind, body in bodies.items():
-        plan = plan_request(kind, body)
-        assert plan is not None
-        lp = (
-            b'{"token_logprobs":[-1.0]}'
-            if kind == "completions"
-            else b'{"content":[{"logprob":-1.0}]}'
-        )
-        edit_answer(
-            b'{"id":"w","choices":[{"index":0,"logprobs":%s,"token_ids":[1],'
-            b'"finish_reason":"stop"}]}' % lp,
-            plan,
-        )
+    return (tree.cut(cuts) if cuts else buf), parts, info
 
 
 def _version(value: Any) -> str | None:

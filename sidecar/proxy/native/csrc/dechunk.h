@@ -1,4 +1,4 @@
-/* HTTP/1.1 chunked coding undone: dechunk.py's `_dechunk`, state for state. */
+/* HTTP/1.1 chunked coding undone, read by read. */
 #ifndef TIMWATCH_DECHUNK_H
 #define TIMWATCH_DECHUNK_H
 
@@ -17,8 +17,12 @@ static inline int hexval(int c) {
     return -1;
 }
 
-/* dechunk.py `_dechunk`: the body bytes of buf[:n] appended to out; state is
- * (phase, left, digits, line, safe). */
+/* The body bytes of buf[:n] appended to out (room for n); returns their count. state is
+ * (phase, bytes left in the chunk or the size so far, size digits seen, where the current
+ * chunk-size line starts relative to the next read, and how many bytes of buf may be relayed
+ * as they are: all but the last chunk's size line, trailer and end, and a size line that may
+ * still be the last chunk's). Hex sizes of at most 15 digits, extensions after the size,
+ * trailer fields; anything else, or a byte after the end, sets phase ERR. */
 static i64 dechunk(const uint8_t *buf, i64 n, uint8_t *out, i64 *state) {
     i64 phase = state[0], left = state[1], digits = state[2], line = state[3];
     i64 i = 0, o = 0;

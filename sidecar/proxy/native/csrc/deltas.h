@@ -1,5 +1,23 @@
-/* A run of one sample's small delta frames read: deltascan.py's `_walk`, `_marks` and
- * `_exact_marks`. */
+/* A run of one sample's small unfinished delta frames (an incremental stream), read without
+ * searching each frame for its keys.
+ *
+ * SGLang writes every delta of a sample with the same keys in the same order, so:
+ * - a frame's end is the first "\n\n" after its start (compact JSON holds no raw newline),
+ *   searched from a little before where the previous frame's length puts it;
+ * - "output_token_logprobs_length": is looked for where the previous frame had it, counted
+ *   from the frame's end; the list's key is the first ':' before it (a list of triples holds
+ *   none), and "finish_reason": where the previous frame had it, counted back from the list's
+ *   key. Each is checked byte for byte; a frame where one is not there is searched (`learn`)
+ *   and teaches the positions to the next;
+ * - one vectorised pass then counts every newline and every quote followed by "fi", "ind" or
+ *   "output_t" over the frames read. Each holds at least five (its finish, list and total
+ *   keys, its "\n\n"), so exactly five per frame prove there is no other: no "index", no
+ *   "output_top_logprobs", no key twice, no frame end skipped. Where a string starts like one
+ *   (a token's text "fi..."), the keys themselves are counted (`exact_marks`).
+ * The scan stops at the first frame that is not such a delta (longer than `small`, not
+ * "data: {", finished, a list that does not read exactly) and declines the whole read when the
+ * count does not add up: a declined read costs the caller a frame-by-frame read, never a wrong
+ * row. */
 #ifndef TIMWATCH_DELTAS_H
 #define TIMWATCH_DELTAS_H
 
@@ -22,7 +40,7 @@ static inline int matches(const uint8_t *b, i64 i, i64 hi, const char *pat, i64 
     return i + m <= hi && memcmp(b + i, pat, (size_t)m) == 0;
 }
 
-/* deltascan.py `_frame_end`: the index after the first "\n\n" at or after i; -1: none. */
+/* The index after the first "\n\n" at or after i; -1: none. */
 static inline i64 frame_end(const uint8_t *b, i64 n, i64 i) {
     while (i < n) {
         const uint8_t *p = memchr(b + i, '\n', (size_t)(n - i));
@@ -44,7 +62,7 @@ static inline i64 int_at(const uint8_t *b, i64 i, i64 hi) {
     return j > i ? value : -1;
 }
 
-/* deltascan.py `_learn`: the first finish, list and total keys in b[fs:end]. */
+/* The first finish, list and total keys in b[fs:end] (-1 where absent). */
 static void learn(const uint8_t *b, i64 fs, i64 end, i64 *kf, i64 *kl, i64 *kt) {
     *kf = *kl = *kt = -1;
     for (i64 i = fs; i < end; i++) {
@@ -61,7 +79,7 @@ static void learn(const uint8_t *b, i64 fs, i64 end, i64 *kf, i64 *kl, i64 *kt) 
     }
 }
 
-/* deltascan.py `_marks`: newlines, and quotes followed by `fi`, `ind` or `output_t`, in
+/* Newlines, and quotes followed by `fi`, `ind` or `output_t`, in
  * b[:hi]. 32 positions at a time in the compiler's portable vectors (SSE2, AVX2 where the CPU
  * has it, NEON), each position's flag summed in its byte lane for up to 255 rounds. */
 typedef signed char v32 __attribute__((vector_size(32)));
@@ -110,7 +128,7 @@ static i64 marks(const uint8_t *b, i64 n, i64 hi) {
     return count;
 }
 
-/* deltascan.py `_exact_marks`: newlines and the five keys themselves in b[:hi]. */
+/* Newlines and the five keys themselves in b[:hi]. */
 static i64 exact_marks(const uint8_t *b, i64 hi) {
     static const char *keys[5] = {P_FINISH, P_LIST, P_TOTAL, P_TOP, P_INDEX};
     static const i64 lens[5] = {LEN(P_FINISH), LEN(P_LIST), LEN(P_TOTAL), LEN(P_TOP), LEN(P_INDEX)};
@@ -135,7 +153,8 @@ typedef struct {
     int stopped;
 } Walk;
 
-/* deltascan.py `_walk`: the delta frames b starts with, into rows (cap x 7), ids and vals. */
+/* The delta frames b starts with, into rows (cap x 7: start, end, kind 1, index 0, total,
+ * count, at; consecutive frames of one row), ids and vals. */
 static Walk walk(const uint8_t *b, i64 n, i64 small, i64 *rows, i64 cap, i64 *ids, double *vals,
                  const u64 *table) {
     Walk out = {0, 0, 0, 0, 0};

@@ -1,5 +1,12 @@
-/* JSON log-prob triples read into arrays, correctly rounded: numparse.py's `triples_into`
- * (Clinger's fast path, then Eisel-Lemire; anything else refused), and scan.py's `id_null_at`. */
+/* JSON log-prob triples [[logprob,id,null],...] read into arrays. Every log-prob read is the
+ * double Python's float() and orjson give for its token, bit for bit: a plain decimal with a
+ * significand below 2**53 and at most 22 decimals is one correctly rounded division of two
+ * exact doubles (Clinger's fast path); any other number is w * 10**q with w at most 19
+ * digits, rounded from a 128-bit product with 5**q (Eisel-Lemire, as the fast_float library;
+ * the table is passed in, [high, low] words per q in Q_MIN..Q_MAX). What that cannot decide
+ * exactly is refused, never approximated: more than 19 significant digits, a subnormal or
+ * infinite result, an exponent of more than 4 digits, anything that is not strict JSON, a
+ * triple that is not [number,id,null]. A refusal sends the caller to orjson. */
 #ifndef TIMWATCH_NUMBERS_H
 #define TIMWATCH_NUMBERS_H
 
@@ -22,7 +29,7 @@ static inline int digit_at(const uint8_t *b, i64 n, i64 i) {
     return -1;
 }
 
-/* numparse.py `_bits`: IEEE-754 bits of +-w * 10**q, or REFUSED. */
+/* IEEE-754 bits of +-w * 10**q, correctly rounded (nearest, ties to even), or REFUSED. */
 static i64 to_bits(u64 w, int q, int neg, const u64 *table) {
     u64 sign = neg ? (u64)1 << 63 : 0;
     if (w == 0) return (i64)sign;
@@ -58,13 +65,14 @@ static i64 to_bits(u64 w, int q, int neg, const u64 *table) {
     return (i64)(mant | ((u64)power2 << 52) | sign);
 }
 
-/* numparse.py `_digits`: the digits at b[i:] appended to *w; returns how many, *end after. */
+/* The digits at b[i:] appended to *w (eight at a time where eight follow); returns how many,
+ * *end after them. *w wraps past 19 digits, which the caller refuses. */
 static inline int digits_at(const uint8_t *b, i64 n, i64 i, u64 *w, i64 *end) {
     int count = 0;
     u64 acc = *w;
     while (i + 8 <= n) {
         u64 v;
-        memcpy(&v, b + i, 8); /* little-endian, as the numba twin assembles it */
+        memcpy(&v, b + i, 8); /* the eight-digit test below reads a little-endian word */
         if ((((v + 0x4646464646464646ULL) | (v - 0x3030303030303030ULL)) & 0x8080808080808080ULL))
             break;
         v -= 0x3030303030303030ULL;
@@ -87,7 +95,8 @@ static inline int digits_at(const uint8_t *b, i64 n, i64 i, u64 *w, i64 *end) {
     return count;
 }
 
-/* numparse.py `_number`: bits of the JSON number at b[i] (REFUSED: not one, or not exact). */
+/* Bits of the JSON number at b[i] (REFUSED: not one, or not exact here). orjson reads "-0" as
+ * the int 0, so +0.0; "-0.0" stays -0.0. */
 static i64 number_at(const uint8_t *b, i64 n, i64 i, const u64 *table, i64 *end) {
     int neg = i < n && b[i] == '-';
     if (neg) i++;
@@ -152,7 +161,7 @@ static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
                                  1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
                                  1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 
-/* numparse.py `_float_at`: the number at b[i] as a double; *end -1: refused. */
+/* The number at b[i] as a double; *end -1: refused. */
 static inline double float_at(const uint8_t *b, i64 n, i64 i, const u64 *table, i64 *end) {
     i64 j = i;
     int neg = j < n && b[j] == '-';
@@ -193,7 +202,7 @@ static inline double float_at(const uint8_t *b, i64 n, i64 i, const u64 *table, 
     return out;
 }
 
-/* scan.py `id_null_at`: the `id,null]` ending a triple; -1 on failure, *end after the ']'. */
+/* The `id,null]` ending a triple (id: at most 18 digits); -1 on failure, *end after the ']'. */
 static inline i64 id_null_at(const uint8_t *b, i64 n, i64 i, i64 *end) {
     i64 value = 0, j = i;
     while (j < n && b[j] >= '0' && b[j] <= '9' && j - i < 18) {
@@ -214,7 +223,8 @@ static inline i64 id_null_at(const uint8_t *b, i64 n, i64 i, i64 *end) {
     return value;
 }
 
-/* numparse.py `triples_into`: the triples list at b[i] appended from count; -1: refused. */
+/* The triples list at b[i] appended to ids and vals from count (room for every triple the bytes
+ * can hold: one per 10 bytes); returns the new count, -1: refused. */
 static i64 triples_into(const uint8_t *b, i64 n, i64 i, i64 *ids, double *vals, i64 count,
                         const u64 *table, i64 *end) {
     if (byte_at(b, n, i) != '[') {
