@@ -38,8 +38,9 @@ _M, _S = "timwatch.monitor", "timwatch.sidecar"
 _CORE, _TAP, _TRAINER, _STORE = f"{_M}.core", f"{_S}.tap", f"{_M}.trainer", f"{_M}.store"
 
 LAYERS: tuple[Layer, ...] = (
-    Layer(_CORE, "the numeric core: batch validation, numba kernels, layout, histograms, "
-          "accumulators, rows, masks, engine, JSON codec, run ids, **the exception tree**, "
+    Layer(_CORE, "the numeric core: batch validation, numba kernels and their cache key "
+          "(`jitcache`), layout, histograms, accumulators, rows, masks, engine, JSON codec, run "
+          "ids, **the exception tree**, the extras map (`extras`: which extra a command needs), "
           "version"),
     Layer(_TRAINER, "trainer side (torch): chunked log-probs and entropy, ESTR / decoupled "
           "losses", (_CORE,)),
@@ -57,15 +58,19 @@ LAYERS: tuple[Layer, ...] = (
            "timwatch.dashboards")),
     Layer("timwatch.dashboards", "Grafana dashboards as code and their generator"),
     Layer(_TAP, "the trainer `Tap` and its shipper (stdlib `http.client` only)", (_CORE,)),
-    Layer(f"{_S}.proxy", "SGLang and vLLM proxies, their wire parsing, capture, join, prefill "
-          "probe", (_CORE, _TAP)),
+    Layer(f"{_S}.proxy", "SGLang and vLLM proxies: `http/` (the one upstream client, "
+          "de-chunking, forwarding, the relay), `sglang/`, `vllm/`, `native/` (the C stream "
+          "reader), `join/`, capture and records", (_CORE, _TAP)),
     Layer(f"{_S}.integrations", "verl and slime plug-ins", (_CORE, _TRAINER, _TAP)),
     Layer(f"{_S}.demo", "`timwatch demo`", (_CORE, _TRAINER, _STORE, f"{_M}.service", _TAP)),
     Layer(f"{_S}.cli", "`timwatch sidecar …`", (_CORE, f"{_S}.proxy")),
     Layer(_M, "façade: lazy re-exports of the layers below it", (f"{_M}.*",)),
     Layer(_S, "façade: lazy re-exports of the layers below it", (_CORE, f"{_S}.*")),
     Layer("timwatch", "lazy re-exports", ("timwatch.*",)),
-    Layer("timwatch.cli", "the `timwatch` typer app mounting every command", ("timwatch.*",)),
+    Layer("timwatch.cli", "the `timwatch` entry point, stdlib only: names the missing extra, "
+          "then runs `timwatch.commands`", ("timwatch.*",)),
+    Layer("timwatch.commands", "the `timwatch` typer app mounting every command",
+          ("timwatch.*",)),
 )  # fmt: skip
 
 #: layer → the layers it may import (its own is always allowed)
