@@ -1,11 +1,11 @@
 """After a warm-up, optionally forbid numba from compiling anything more.
 
 A numba kernel compiles one specialisation per argument types (dtype, layout, read-only,
-alignment). A process that compiled its kernels before serving (`engine.warm_up`, the proxies'
-``warm_up``) must never meet types its warm-up did not cover: on a cold cache, compiling inside a
-request takes seconds to a minute. With ``TIMWATCH_STRICT_WARMUP=1`` in the environment,
+alignment). A process that compiled its kernels before serving (`engine.warm_up`) must never
+meet types its warm-up did not cover: on a cold cache, compiling inside a request takes seconds
+to a minute. With ``TIMWATCH_STRICT_WARMUP=1`` in the environment,
 `seal_after_warm_up` turns that silent stall into an immediate ``TypeError`` naming the kernel
-and the types, which the test suite sets for every server and proxy it starts.
+and the types, which the test suite sets for every server it starts.
 """
 
 from __future__ import annotations
