@@ -17,10 +17,9 @@ Every call has a timeout: nothing can hang.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import httpx
 import orjson
 import pytest
 
+from tests.helpers.loopserver import LoopServer, running
 from tests.helpers.procs import (
     fake_sglang_process,
     free_port,
@@ -100,39 +100,18 @@ def _chunked(body: bytes, rng: random.Random) -> bytes:
     return b"".join(out) + b"0\r\nx-trailer: 1\r\n\r\n"
 
 
-class RawUpstream:
+class RawUpstream(LoopServer):
     """An upstream on asyncio streams answering with ``self.answers[(path, stream)]`` in
     ``self.framing``, written in pieces; ``self.log`` holds ``(x-tag, connection number)`` per
     request answered. ``framing`` ``"reset-head"`` closes the connection once the request is
     read, ``"reset-body"`` after half the body (content-length, or chunked for a stream)."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        super().__init__()
         self.framing = "length"
         self.answers: dict[tuple[str, bool], tuple[bytes, bytes]] = {}
         self.log: list[tuple[str, int]] = []
         self._conns = 0
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        )
-        self.ready.set()
-        self.loop.run_forever()
-        server.close()
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        self.loop.close()
 
     async def _request(
         self, reader: asyncio.StreamReader
@@ -195,16 +174,8 @@ class RawUpstream:
             writer.close()
 
 
-@contextmanager
-def raw_upstream() -> Iterator[RawUpstream]:
-    up = RawUpstream()
-    up.thread.start()
-    assert up.ready.wait(10)
-    try:
-        yield up
-    finally:
-        up.loop.call_soon_threadsafe(up.loop.stop)
-        up.thread.join(10)
+def raw_upstream() -> contextlib.AbstractContextManager[RawUpstream]:
+    return running(RawUpstream())
 
 
 def _post(url: str, kind: str, stream: bool, tag: str) -> httpx.Response:

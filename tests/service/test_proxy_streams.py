@@ -11,19 +11,18 @@ bytes from one keep-alive socket and compares their body with what the upstream 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from tests.helpers.procs import fake_sglang_process, free_port, sglang_proxy_process
+from tests.helpers.loopserver import LoopServer, running
+from tests.helpers.procs import fake_sglang_process, sglang_proxy_process
 from timwatch.sidecar.proxy.http import client as upstream_client
 from timwatch.sidecar.proxy.http import dechunk
 from timwatch.sidecar.proxy.http.client import Upstream
@@ -37,14 +36,14 @@ BODY: dict[str, Any] = {
 }
 
 
-class RawUpstream:
+class RawUpstream(LoopServer):
     """An HTTP/1.1 upstream that answers every request with ``self.wire`` (the chunked body,
     written in ``self.writes`` pieces, ``self.pause`` s apart) and records, per request, the
     connection it came on; ``self.aborted`` counts answers whose connection went away,
     ``self.answered`` answers whose last byte went to the socket."""
 
     def __init__(self) -> None:
-        self.port = free_port()
+        super().__init__()
         self.wire = b"0\r\n\r\n"
         self.writes: list[int] = []
         self.pause = 0.0
@@ -52,24 +51,6 @@ class RawUpstream:
         self.aborted = 0
         self.answered = 0
         self._next = 0
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        server = self.loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        )
-        self.ready.set()
-        self.loop.run_forever()
-        server.close()
-        # connections still open end here, while the loop can still close their transports
-        tasks = asyncio.all_tasks(self.loop)
-        for task in tasks:
-            task.cancel()
-        self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        self.loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn, self._next = self._next, self._next + 1
@@ -102,21 +83,9 @@ class RawUpstream:
         finally:
             writer.close()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
-
-@contextmanager
-def raw_upstream() -> Iterator[RawUpstream]:
-    up = RawUpstream()
-    up.thread.start()
-    up.ready.wait(10)
-    try:
-        yield up
-    finally:
-        up.loop.call_soon_threadsafe(up.loop.stop)
-        up.thread.join(10)
+def raw_upstream() -> contextlib.AbstractContextManager[RawUpstream]:
+    return running(RawUpstream())
 
 
 def _chunked(body: bytes, rng: random.Random, hi: int) -> bytes:
