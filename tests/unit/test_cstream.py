@@ -349,13 +349,14 @@ def test_arrays_too_small_or_read_only_are_refused_not_overrun(bad: tuple[str, A
         fn(*args)
 
 
-def _vllm_parts(kind: str, stream: bool, versions: bool) -> list[Any]:
-    """What `edit_answer` gives for every answer or frame the vLLM stand-in writes for a
-    client that asked for neither log-probs nor ids: client JSON and each choice's fields."""
+def _vllm_answers(kind: str, stream: bool, versions: bool) -> tuple[list[bytes], Any]:
+    """Every answer or frame payload the vLLM stand-in writes for a client that asked for
+    neither log-probs nor ids, and the proxy's plan for that client. Written once, so both
+    readers see the same bytes (the stand-in stamps ``created`` with the clock)."""
     import sys
 
     from tests.helpers.procs import REPO
-    from timwatch.sidecar.proxy.vllm.edit import edit_answer, plan_request
+    from timwatch.sidecar.proxy.vllm.edit import plan_request
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import vllm_standin as standin
@@ -366,9 +367,17 @@ def _vllm_parts(kind: str, stream: bool, versions: bool) -> list[Any]:
     plan = plan_request(kind, client)
     assert plan is not None and plan.changed
     req = standin.Req(kind, plan.body, b"r1", versions)
-    payloads = [f[6:-2] for f in standin.frames(req) if f.startswith(b"data: {")]
+    if not stream:
+        return [standin.answer(req)], plan
+    return [f[6:-2] for f in standin.frames(req) if f.startswith(b"data: {")], plan
+
+
+def _vllm_parts(payloads: list[bytes], plan: Any) -> list[Any]:
+    """What `edit_answer` gives for each payload: client JSON and each choice's fields."""
+    from timwatch.sidecar.proxy.vllm.edit import edit_answer
+
     out = []
-    for payload in payloads if stream else [standin.answer(req)]:
+    for payload in payloads:
         client_bytes, parts, info = edit_answer(payload, plan)
         out.append(orjson.loads(client_bytes))
         out.append({k: v for k, v in info.items() if k != "prompt_token_ids"})
@@ -384,8 +393,9 @@ def _vllm_parts(kind: str, stream: bool, versions: bool) -> list[Any]:
 def test_vllm_answers_edit_and_read_alike_on_both_readers(kind: str, stream: bool) -> None:
     """The C walk's in-place cuts and the fallback's answer written again are the same JSON;
     every choice's ids, log-prob bits, prompt and versions are the same."""
+    payloads, plan = _vllm_answers(kind, stream, True)
     with reader("c"):
-        c = _vllm_parts(kind, stream, True)
+        c = _vllm_parts(payloads, plan)
     with reader("fallback"):
-        f = _vllm_parts(kind, stream, True)
+        f = _vllm_parts(payloads, plan)
     assert c == f and c
