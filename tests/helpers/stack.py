@@ -12,7 +12,6 @@ noise.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -32,6 +31,7 @@ import yaml
 
 from tests.helpers.batches import RawBatch
 from tests.helpers.procs import stop_process
+from tests.helpers.scripts import load_script
 
 __all__ = [
     "DEPLOY",
@@ -58,13 +58,7 @@ MIN_RANGE = "4s"
 
 
 def _load_override() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "timwatch_rules_override", REPO / "alerts" / "override.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO / "alerts" / "override.py", "timwatch_rules_override")
 
 
 def scaled_rule_files(prometheus_yml: Path, out_dir: Path) -> list[Path]:

@@ -7,7 +7,6 @@ is missing, because CI must run the rule tests.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -22,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.helpers.names import EXPORTED_SERIES
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "alerts" / "timwatch.rules.yml"
@@ -57,14 +57,7 @@ def _run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProc
 
 
 def _load_override() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "timwatch_alerts_override", ROOT / "alerts" / "override.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "alerts" / "override.py", "timwatch_alerts_override")
 
 
 override = _load_override()

@@ -6,7 +6,6 @@ PrometheusRule). promtool and amtool come from Debian `prometheus` / `prometheus
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import shutil
 import socket
@@ -23,6 +22,8 @@ import httpx
 import pytest
 import tomllib
 import yaml
+
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -373,12 +374,7 @@ def test_compose_grafana_provisioning_matches_deploy_grafana() -> None:
 
 def _load_generator() -> ModuleType:
     path = K8S / "make_prometheusrule.py"
-    spec = importlib.util.spec_from_file_location("timwatch_make_prometheusrule", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(path, "timwatch_make_prometheusrule")
 
 
 def test_prometheusrule_is_in_sync_with_alerts() -> None:

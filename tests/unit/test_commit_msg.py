@@ -3,7 +3,6 @@ run on into its body, and `.pre-commit-config.yaml` runs it at the commit-msg st
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,13 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check_commit_msg.py"
 
-_spec = importlib.util.spec_from_file_location("check_commit_msg", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-hook = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hook)
+hook = load_script(SCRIPT, "check_commit_msg")
 MAX_SUBJECT, problems = hook.MAX_SUBJECT, hook.problems
 
 

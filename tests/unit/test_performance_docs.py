@@ -5,29 +5,21 @@ benchmark that can write JSON has its section."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATOR = ROOT / "docs" / "generate_performance.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("generate_performance", GENERATOR)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load()
+gen = load_script(GENERATOR, "generate_performance")
 
 
 def test_committed_page_is_current() -> None:

@@ -4,7 +4,6 @@ documentation (a metric without a formula, a policy without a rule) stops the ge
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,19 +12,13 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 GENERATOR = ROOT / "docs" / "generate_reference.py"
 
 
-def _load_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("generate_reference", GENERATOR)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
+gen = load_script(GENERATOR, "generate_reference")
 from reference_src import batch_page, metrics_page, policies_page  # noqa: E402 (gen's path)
 
 
