@@ -1,0 +1,199 @@
+"""TRL plug-in: `TimwatchGRPOTrainer` (or `TimwatchGRPOMixin` before your own `GRPOTrainer`
+subclass) reports each generation batch's per-token μ, π, H and loss mask to a timwatch tap, and
+`TimwatchCallback` forwards TRL's logged scalars; docs/integrations.md has the recipe.
+
+The hook is a subclass override, not a patch: `_generate_and_score_completions` is where
+`GRPOTrainer` (TRL 1.16) holds, for one generation batch, the sampled token ids, the completion
+mask (times the tool/env mask), the engine's per-token log-probs (``sampling_per_token_logps``,
+μ, present when vLLM or a ``rollout_func`` returns them) and its own recomputed log-probs
+(``old_per_token_logps``, π, present when TRL computes them: with vLLM's importance-sampling
+correction, or when generation and optimizer steps are not aligned). The batch is reported once,
+under the step number TRL logs for the first optimizer step that trains it
+(``state.global_step + 1`` at generation time), in training only.
+
+What is reported (the invariants):
+
+- π (``logp_train``) and H (``entropy``) come from one no-grad forward of the training model on
+  the batch: TRL's own old-log-prob forward, asked to compute the entropy too, when TRL runs
+  it; else one forward run here with TRL's `_get_per_token_logps_and_entropies`.
+- μ (``logp_rollout``) is ``sampling_per_token_logps`` where TRL has it. Without it (TRL's own
+  transformers generation keeps no sampling log-probs) μ is set to π, so every mismatch metric
+  is exactly 0 by construction: such a run reports tokens, sequences, entropy and lengths per
+  step, not a mismatch.
+- ``loss_mask`` is TRL's loss mask (completion mask times tool/env mask), except tokens whose
+  engine log-prob is NaN (vLLM could not score them), which are masked out as TRL excludes them
+  from its ``sampling/*`` metrics; μ there is set to π so the batch stays valid.
+- Sequences are the completions (prompts are not sent), packed up to each one's last masked
+  token, with ``token_ids`` the completion ids.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from .verl_loss import pack_padded
+
+__all__ = [
+    "SupportsReport",
+    "TimwatchCallback",
+    "TimwatchGRPOMixin",
+    "TimwatchGRPOTrainer",
+    "pack_grpo_batch",
+]
+
+log = logging.getLogger("timwatch.trl")
+
+
+class SupportsReport(Protocol):
+    def report(self, step: int, **arrays: Any) -> bool: ...
+
+
+def pack_grpo_batch(
+    output: dict[str, Any], logp_train: torch.Tensor, entropy: torch.Tensor
+) -> dict[str, Any]:
+    """The packed arrays of one `_generate_and_score_completions` output (see the module doc
+    for what each field holds): ``cu_seqlens``, ``logp_rollout``, ``logp_train``, ``entropy``,
+    ``loss_mask``, ``token_ids``, all of one length N, float32 on the CPU."""
+    mask = output["completion_mask"]
+    if output.get("tool_mask") is not None:
+        mask = mask * output["tool_mask"]
+    pi = logp_train.detach().float()
+    mu = output.get("sampling_per_token_logps")
+    if mu is None:
+        mu = pi
+    else:
+        mu = mu.detach().float()
+        scored = ~torch.isnan(mu)
+        mask = mask * scored
+        mu = torch.where(scored, mu, pi)
+    cu, packed = pack_padded(
+        mask,
+        logp_rollout=mu,
+        logp_train=pi,
+        entropy=entropy.detach().float(),
+        token_ids=output["completion_ids"].long(),
+    )
+    return {"cu_seqlens": cu.cpu(), **{k: v.cpu() for k, v in packed.items()}}
+
+
+class TimwatchGRPOMixin:
+    """Put before `GRPOTrainer` in the bases; set ``timwatch_tap`` (a `Tap`) to report.
+
+    Overrides `_generate_and_score_completions` (to report the batch it returns) and
+    `_get_per_token_logps_and_entropies` (to have TRL's own old-log-prob forward compute the
+    entropy as well, so π and H cost no extra forward when TRL runs it). A failure here is
+    logged once and never stops training."""
+
+    timwatch_tap: SupportsReport | None = None
+    _timwatch_forwards: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+    _timwatch_failed = False
+
+    def _get_per_token_logps_and_entropies(
+        self, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: Any,
+        batch_size: Any = None, compute_entropy: bool = False, *args: Any, **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        parent: Any = super()
+        seen = self._timwatch_forwards
+        if seen is None or torch.is_grad_enabled():
+            return parent._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                *args, **kwargs,
+            )  # fmt: skip
+        logps, entropy, aux = parent._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, True, *args, **kwargs
+        )
+        seen.append((logps, entropy))
+        return logps, (entropy if compute_entropy else None), aux
+
+    def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
+        parent: Any = super()
+        this: Any = self
+        tap = self.timwatch_tap
+        if tap is None or not this.model.training:
+            return parent._generate_and_score_completions(inputs)
+        step = int(this.state.global_step) + 1
+        self._timwatch_forwards = []
+        try:
+            output: dict[str, Any] = parent._generate_and_score_completions(inputs)
+            forwards = self._timwatch_forwards
+        finally:
+            self._timwatch_forwards = None
+        try:
+            arrays = self._timwatch_pack(output, forwards)
+            tap.report(step, **arrays, policy_version=step - 1)
+        except Exception as exc:  # noqa: BLE001 - the plug-in must never break training
+            if not self._timwatch_failed:
+                self._timwatch_failed = True
+                log.warning("timwatch: reporting TRL step %d failed: %s", step, exc)
+        return output
+
+    def _timwatch_pack(
+        self, output: dict[str, Any], forwards: list[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> dict[str, Any]:
+        """π and H of TRL's old-log-prob forward (found by identity), else of a forward run
+        here; then `pack_grpo_batch`."""
+        old = output.get("old_per_token_logps")
+        found = [(lp, h) for lp, h in forwards if lp is old and h is not None]
+        if found:
+            logp_train, entropy = found[0]
+        else:
+            this: Any = self
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            parent: Any = super()
+            with torch.no_grad():
+                logp_train, got, _ = parent._get_per_token_logps_and_entropies(
+                    this.model, ids, attention, output["completion_ids"].size(1),
+                    this.args.per_device_train_batch_size, True,
+                )  # fmt: skip
+            assert got is not None
+            entropy = got
+        return pack_grpo_batch(output, logp_train, entropy)
+
+
+class TimwatchGRPOTrainer(TimwatchGRPOMixin, GRPOTrainer):
+    """`GRPOTrainer` that reports to ``tap`` (see `TimwatchGRPOMixin`) and, with
+    ``forward_logs``, forwards its logs through `TimwatchCallback`. Other arguments are
+    `GRPOTrainer`'s."""
+
+    def __init__(
+        self, *args: Any, tap: SupportsReport | None = None, forward_logs: bool = True,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if tap is not None and forward_logs:
+            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), TimwatchCallback(tap)]
+        super().__init__(*args, **kwargs)
+        self.timwatch_tap = tap
+
+
+class TimwatchCallback(TrainerCallback):
+    """Forwards each of TRL's logs (``sampling/*``, rewards, loss, ...) on the main process to
+    ``tap.log(step, logs, source="trl")`` under TRL's global step, where the tap has `log`;
+    flushes the tap at the end of training."""
+
+    def __init__(self, tap: Any) -> None:
+        self.tap = tap
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        send = getattr(self.tap, "log", None)
+        if send is None or not logs or not state.is_world_process_zero:
+            return
+        scalars = {
+            k: float(v)
+            for k, v in logs.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        try:
+            send(int(state.global_step), scalars, source="trl")
+        except Exception as exc:  # noqa: BLE001 - the plug-in must never break training
+            log.warning("timwatch: forwarding TRL's logs failed: %s", exc)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        flush = getattr(self.tap, "flush", None)
+        if flush is not None:
+            flush()

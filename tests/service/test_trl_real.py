@@ -1,0 +1,62 @@
+"""A real TRL `GRPOTrainer` (trl 1.16.0, tests/requirements-trl.txt) with TRL's own generation
+(transformers ``generate``, no engine) on the CPU, reporting through `TimwatchGRPOTrainer` to a
+real ``timwatch serve``.
+
+With its own generation TRL keeps no sampling log-probs, so there is no μ: the plug-in reports
+μ = π (its recomputed log-probs) and the mismatch metrics are exactly 0 by construction, and TRL
+logs no ``sampling/*`` metrics. What is checked is the rest: every optimizer step is in the
+history once, under TRL's global step, with the completion tokens TRL trained on (from TRL's own
+logged completion lengths) and the entropy it logged; each stored row equals the float64
+reference (`tests.helpers.reference`) of the batch the tap sent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_TRL"):
+    import trl  # noqa: F401  # CI installs it: a missing trl fails, it does not skip
+else:
+    pytest.importorskip("trl")
+
+from tests.helpers.procs import SHARED_TOKEN, ServerProc
+from tests.helpers.reference import reference
+from tests.helpers.trl_run import PER_STEP, RecordingTap, build_model, train
+from tests.helpers.wire import fresh_run
+
+STEPS = 3
+NAMES = "tokens,sequences,mismatch_kl,log_ratio_abs_max,entropy_mean,policy_version"
+
+
+def test_trl_own_generation_reports_every_step_with_its_tokens(
+    shared_server: ServerProc, tmp_path: Path
+) -> None:
+    run = fresh_run("trl")
+    tap = RecordingTap(shared_server.url, run, SHARED_TOKEN, rank=0)
+    model = build_model(tmp_path / "model")
+    _, capture = train(model, tap, tmp_path / "out", steps=STEPS)
+    assert tap.close(60)
+    stats = tap.stats()
+    assert (stats["reported"], stats["sent"], stats["dropped"]) == (STEPS, STEPS, 0)
+    with shared_server.client() as c:
+        res = c.get(f"/v1/runs/{run}/metrics", params={"names": NAMES}).json()
+    steps = list(range(1, STEPS + 1))
+    assert res["steps"] == steps == sorted(capture.logs) == sorted(tap.sent)
+    s = res["series"]
+    for i, step in enumerate(steps):
+        logs, sent = capture.logs[step], tap.sent[step]
+        assert not any(k.startswith("sampling/") for k in logs)  # TRL logs none without μ
+        trained = logs["completions/mean_length"] * PER_STEP  # TRL's own count of the tokens
+        assert s["tokens"][i] == round(trained) == int(sent["loss_mask"].sum())
+        assert math.isclose(trained, round(trained), abs_tol=1e-6)
+        assert s["sequences"][i] == PER_STEP
+        assert s["policy_version"][i] == step - 1  # the weights of the step before it trains
+        assert s["mismatch_kl"][i] == 0.0 and s["log_ratio_abs_max"][i] == 0.0  # μ = π
+        want, _ = reference(sent)
+        assert s["entropy_mean"][i] == pytest.approx(want["entropy_mean"], rel=1e-9)
+        # TRL's logged entropy is its training forward's (float32, same weights and tokens)
+        assert s["entropy_mean"][i] == pytest.approx(logs["entropy"], rel=1e-5)
