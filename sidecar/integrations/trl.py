@@ -25,6 +25,10 @@ What is reported (the invariants):
   from its ``sampling/*`` metrics; μ there is set to π so the batch stays valid.
 - Sequences are the completions (prompts are not sent), packed up to each one's last masked
   token, with ``token_ids`` the completion ids.
+
+With ESTR on (``estr_tau``), rejected tokens leave TRL's loss through the mask its loss reads
+(`apply_estr`), after the batch is reported: the reported ``loss_mask`` is TRL's, so the
+monitor's ``mask_ratio_estr`` is the share ESTR rejects at the monitor's τ.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
+from ...monitor.core.masks import estr_keep_mask
 from .verl_loss import pack_padded
 
 __all__ = [
@@ -43,6 +48,7 @@ __all__ = [
     "TimwatchCallback",
     "TimwatchGRPOMixin",
     "TimwatchGRPOTrainer",
+    "apply_estr",
     "pack_grpo_batch",
 ]
 
@@ -81,8 +87,31 @@ def pack_grpo_batch(
     return {"cu_seqlens": cu.cpu(), **{k: v.cpu() for k, v in packed.items()}}
 
 
+def apply_estr(
+    output: dict[str, Any], logp_train: torch.Tensor, entropy: torch.Tensor, tau: float,
+    eps: float = 0.01,
+) -> torch.Tensor | None:  # fmt: skip
+    """ESTR in TRL's loss: tokens with δ² > τ(H + ε) (δ = π − μ, docs/reference/policies.md)
+    leave the loss mask, through ``output["tool_mask"]`` (created where absent), the mask that
+    `GRPOTrainer._compute_loss` multiplies into the completion mask and that nothing else
+    reads for attention. Returns the keep mask, or None without engine log-probs (μ = π keeps
+    every token). Tokens whose μ is NaN are kept, as TRL's own correction leaves them at ratio 1.
+    π is TRL's generation-time recomputation (the first pass's π when ``num_iterations`` is 1).
+    """
+    mu = output.get("sampling_per_token_logps")
+    if mu is None:
+        return None
+    keep = estr_keep_mask(logp_train.detach(), mu.detach(), entropy.detach(), tau=tau, eps=eps)
+    keep = keep | torch.isnan(mu)
+    mask = output.get("tool_mask")
+    base = torch.ones_like(output["completion_mask"]) if mask is None else mask
+    output["tool_mask"] = base * keep.to(base.dtype)
+    return keep
+
+
 class TimwatchGRPOMixin:
-    """Put before `GRPOTrainer` in the bases; set ``timwatch_tap`` (a `Tap`) to report.
+    """Put before `GRPOTrainer` in the bases; set ``timwatch_tap`` (a `Tap`) to report, and
+    ``timwatch_estr`` (tau, eps) to apply ESTR in the loss (`apply_estr`).
 
     Overrides `_generate_and_score_completions` (to report the batch it returns) and
     `_get_per_token_logps_and_entropies` (to have TRL's own old-log-prob forward compute the
@@ -90,6 +119,8 @@ class TimwatchGRPOMixin:
     logged once and never stops training."""
 
     timwatch_tap: SupportsReport | None = None
+    #: (tau, eps) to apply ESTR in TRL's loss (`apply_estr`); None: TRL's loss unchanged
+    timwatch_estr: tuple[float, float] | None = None
     _timwatch_forwards: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
     _timwatch_failed = False
 
@@ -113,8 +144,8 @@ class TimwatchGRPOMixin:
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         parent: Any = super()
         this: Any = self
-        tap = self.timwatch_tap
-        if tap is None or not this.model.training:
+        tap, estr = self.timwatch_tap, self.timwatch_estr
+        if (tap is None and estr is None) or not this.model.training:
             return parent._generate_and_score_completions(inputs)
         step = int(this.state.global_step) + 1
         self._timwatch_forwards = []
@@ -123,52 +154,55 @@ class TimwatchGRPOMixin:
             forwards = self._timwatch_forwards
         finally:
             self._timwatch_forwards = None
-        try:
-            arrays = self._timwatch_pack(output, forwards)
-            tap.report(step, **arrays, policy_version=step - 1)
-        except Exception as exc:  # noqa: BLE001 - the plug-in must never break training
-            if not self._timwatch_failed:
-                self._timwatch_failed = True
-                log.warning("timwatch: reporting TRL step %d failed: %s", step, exc)
+        logp_train, entropy = self._timwatch_forward(output, forwards)
+        if tap is not None:
+            try:
+                arrays = pack_grpo_batch(output, logp_train, entropy)
+                tap.report(step, **arrays, policy_version=step - 1)
+            except Exception as exc:  # noqa: BLE001 - the plug-in must never break training
+                if not self._timwatch_failed:
+                    self._timwatch_failed = True
+                    log.warning("timwatch: reporting TRL step %d failed: %s", step, exc)
+        if estr is not None:
+            apply_estr(output, logp_train, entropy, *estr)
         return output
 
-    def _timwatch_pack(
+    def _timwatch_forward(
         self, output: dict[str, Any], forwards: list[tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> dict[str, Any]:
-        """π and H of TRL's old-log-prob forward (found by identity), else of a forward run
-        here; then `pack_grpo_batch`."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """π and H of TRL's old-log-prob forward (found by identity), else of one no-grad
+        forward run here."""
         old = output.get("old_per_token_logps")
-        found = [(lp, h) for lp, h in forwards if lp is old and h is not None]
-        if found:
-            logp_train, entropy = found[0]
-        else:
-            this: Any = self
-            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-            parent: Any = super()
-            with torch.no_grad():
-                logp_train, got, _ = parent._get_per_token_logps_and_entropies(
-                    this.model, ids, attention, output["completion_ids"].size(1),
-                    this.args.per_device_train_batch_size, True,
-                )  # fmt: skip
-            assert got is not None
-            entropy = got
-        return pack_grpo_batch(output, logp_train, entropy)
+        for logps, entropy in forwards:
+            if logps is old and entropy is not None:
+                return logps, entropy
+        this: Any = self
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        parent: Any = super()
+        with torch.no_grad():
+            logps, got, _ = parent._get_per_token_logps_and_entropies(
+                this.model, ids, attention, output["completion_ids"].size(1),
+                this.args.per_device_train_batch_size, True,
+            )  # fmt: skip
+        assert got is not None
+        return logps, got
 
 
 class TimwatchGRPOTrainer(TimwatchGRPOMixin, GRPOTrainer):
-    """`GRPOTrainer` that reports to ``tap`` (see `TimwatchGRPOMixin`) and, with
-    ``forward_logs``, forwards its logs through `TimwatchCallback`. Other arguments are
-    `GRPOTrainer`'s."""
+    """`GRPOTrainer` that reports to ``tap`` (see `TimwatchGRPOMixin`), with ``forward_logs``
+    forwards its logs through `TimwatchCallback`, and with ``estr_tau`` applies ESTR in its loss
+    (`apply_estr`). Other arguments are `GRPOTrainer`'s."""
 
     def __init__(
         self, *args: Any, tap: SupportsReport | None = None, forward_logs: bool = True,
-        **kwargs: Any,
+        estr_tau: float | None = None, estr_eps: float = 0.01, **kwargs: Any,
     ) -> None:  # fmt: skip
         if tap is not None and forward_logs:
             kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), TimwatchCallback(tap)]
         super().__init__(*args, **kwargs)
         self.timwatch_tap = tap
+        self.timwatch_estr = None if estr_tau is None else (float(estr_tau), float(estr_eps))
 
 
 class TimwatchCallback(TrainerCallback):

@@ -10,7 +10,8 @@ real vLLM code path: old log-probs, the importance-sampling correction, the ``sa
 
 What could fail: a step missing or doubled; a μ that is not vLLM's (the stored ``rollout_log_ppl``
 against vLLM's own answers, in float64); TRL's logged ``sampling/*`` against the stored metrics
-of the same tokens; the engine's precision (bf16 mismatch ≥ 100 × fp32's).
+of the same tokens; the engine's precision (bf16 mismatch ≥ 100 × fp32's); ESTR in TRL's loss
+(a third run on the bf16 engine with ``estr_tau``) dropping other tokens than the reference's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ else:
     pytest.importorskip("trl")
 
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
-from tests.helpers.reference import reference
+from tests.helpers.reference import RefParams, keep_token, reference
 from tests.helpers.trl_run import NEW, PER_STEP, LogCapture, RecordingTap, train
 from tests.helpers.vllm import FP32_EXTRA, Engines
 from tests.helpers.wire import fresh_run
@@ -39,6 +40,9 @@ from timwatch.sidecar.demo.vllm_engine import EngineClient
 pytestmark = pytest.mark.timeout(1800)  # two vLLM starts on a busy 2-core machine
 
 STEPS = 3
+ESTR_STEPS = 2
+#: small enough that ESTR rejects some of the bf16 engine's tokens (δ² > τ(H + ε), H ≈ 4.5)
+ESTR_TAU = 2e-4
 NAMES = (
     "tokens,sequences,mismatch_kl,rollout_log_ppl,training_log_ppl,log_ratio_abs_mean,"
     "log_ratio_abs_max,is_ratio_min,is_ratio_mean,is_ratio_max"
@@ -62,6 +66,7 @@ class Run:
     logs: LogCapture
     answers: list[list[list[float]]]  # vLLM's μ per generation call, per completion
     pushed: list[int]
+    loss_rows: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]]
 
 
 @pytest.fixture(scope="module")
@@ -71,37 +76,43 @@ def runs(
 ) -> Iterator[dict[str, Run]]:  # fmt: skip
     srv = _shared_server_session
     out: dict[str, Run] = {}
-    for dtype, extra in (("bfloat16", ("--enable-scale-out",)), ("float32", FP32_EXTRA)):
-        engine = engines.get(dtype, extra)
+    plan = (
+        ("bfloat16", ("--enable-scale-out",), STEPS, None),
+        ("estr", ("--enable-scale-out",), ESTR_STEPS, ESTR_TAU),  # the same bf16 server
+        ("float32", FP32_EXTRA, STEPS, None),
+    )
+    for name, extra, steps, tau in plan:
+        engine = engines.get("float32" if name == "float32" else "bfloat16", extra)
         client = EngineClient(engine.url, engine.model)
-        run = fresh_run(f"trl-vllm-{dtype}")
+        run = fresh_run(f"trl-vllm-{name}")
         tap = RecordingTap(srv.url, run, SHARED_TOKEN, rank=0)
         try:
             trainer, logs = train(
-                tiny_model, tap, tmp_path_factory.mktemp(f"trl-{dtype}"), steps=STEPS,
-                engine=client,
+                tiny_model, tap, tmp_path_factory.mktemp(f"trl-{name}"), steps=steps,
+                engine=client, estr_tau=tau,
             )  # fmt: skip
         finally:
             client.close()
         assert tap.close(60)
         with srv.client() as c:
             res = c.get(f"/v1/runs/{run}/metrics", params={"names": NAMES}).json()
-        out[dtype] = Run(
+        out[name] = Run(
             run, res["series"], res["steps"], tap, logs, trainer.timwatch_rollout.answers,
-            trainer.vllm_generation.pushed,
+            trainer.vllm_generation.pushed, trainer.loss_rows,
         )  # fmt: skip
     yield out
 
 
 def test_every_step_is_stored_once_with_vllms_mu(runs: dict[str, Run]) -> None:
     for dtype, r in runs.items():
-        steps = list(range(1, STEPS + 1))
+        n = len(r.loss_rows)
+        steps = list(range(1, n + 1))
         assert r.steps == steps == sorted(r.logs.logs), dtype
-        assert r.pushed == [0, 1, 2]  # weights pushed before each step's generation
+        assert r.pushed == list(range(n))  # weights pushed before each step's generation
         stats = r.tap.stats()
-        assert (stats["reported"], stats["sent"], stats["dropped"]) == (STEPS, STEPS, 0)
-        assert r.series["tokens"] == [PER_STEP * NEW] * STEPS  # exactly NEW per completion
-        assert r.series["sequences"] == [PER_STEP] * STEPS
+        assert (stats["reported"], stats["sent"], stats["dropped"]) == (n, n, 0)
+        assert r.series["tokens"] == [PER_STEP * NEW] * n  # exactly NEW per completion
+        assert r.series["sequences"] == [PER_STEP] * n
         for i, step in enumerate(steps):
             # μ is vLLM's: rollout_log_ppl of vLLM's own answers for that step, in float64
             # (TRL shuffles nothing before generation; the mean over sequences is order-free)
@@ -125,7 +136,35 @@ def test_trls_sampling_logs_equal_ours_on_the_same_tokens(runs: dict[str, Run]) 
 
 
 def test_bf16_engine_mismatch_is_at_least_100x_fp32s(runs: dict[str, Run]) -> None:
+    """The same run shape (`STEPS` steps, same seeds) on a bf16 and an fp32 engine."""
     bf16 = float(np.mean(runs["bfloat16"].series["mismatch_kl"]))
     fp32 = float(np.mean(runs["float32"].series["mismatch_kl"]))
     print(f"\nTRL on vLLM: mismatch k3 per token, bf16 engine {bf16:.3g}, fp32 engine {fp32:.3g}")
     assert bf16 > 0 and bf16 >= 100 * fp32
+
+
+def test_estr_takes_rejected_tokens_out_of_trls_loss(runs: dict[str, Run]) -> None:
+    """With ``estr_tau``, the mask TRL's loss multiplies in drops exactly the tokens that the
+    float64 reference rejects (δ² > τ(H + ε) on the reported μ, π, H), row by row; without it
+    TRL's loss keeps every token."""
+    r = runs["estr"]
+    rejected = 0
+    for step, sent in r.tap.sent.items():
+        cu = sent["cu_seqlens"]
+        want = []
+        for s in range(len(cu) - 1):
+            a, b = int(cu[s]), int(cu[s + 1])
+            keep = [
+                int(keep_token("estr", lt, lr, h, RefParams(tau=ESTR_TAU)))
+                for lt, lr, h in zip(
+                    sent["logp_train"][a:b], sent["logp_rollout"][a:b], sent["entropy"][a:b],
+                    strict=True,
+                )
+            ]  # fmt: skip
+            want.append((tuple(int(x) for x in sent["token_ids"][a:b]), tuple(keep)))
+            rejected += NEW - sum(keep)
+        assert sorted(r.loss_rows[step]) == sorted(want), step  # TRL shuffles rows, not tokens
+    assert 0 < rejected < ESTR_STEPS * PER_STEP * NEW  # some rejected, not all
+    for name in ("bfloat16", "float32"):
+        assert all(all(m) for rows in runs[name].loss_rows.values() for _, m in rows)
+    print(f"\nESTR tau={ESTR_TAU}: {rejected} of {ESTR_STEPS * PER_STEP * NEW} tokens rejected")

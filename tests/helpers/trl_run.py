@@ -112,17 +112,31 @@ class VllmRollout:
 
 
 def train(
-    model_dir: Path, tap: Tap, out: Path, *, steps: int, engine: EngineClient | None = None
-) -> tuple[Any, LogCapture]:
+    model_dir: Path, tap: Tap, out: Path, *, steps: int, engine: EngineClient | None = None,
+    estr_tau: float | None = None,
+) -> tuple[Any, LogCapture]:  # fmt: skip
     """`steps` optimizer steps of `TimwatchGRPOTrainer` (one generation batch of `PER_STEP`
-    completions per step, fp32 on the CPU); with ``engine``, generation on vLLM (module doc).
-    Returns the trainer and TRL's captured logs."""
+    completions per step, fp32 on the CPU); with ``engine``, generation on vLLM (module doc);
+    ``estr_tau``: ESTR in TRL's loss. Returns the trainer (its ``loss_rows``: per step, the
+    (completion ids, loss mask) rows that TRL's `_compute_loss` received) and TRL's logs."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from trl import GRPOConfig
 
     from timwatch.sidecar.integrations.trl import TimwatchGRPOTrainer
+
+    class Trainer(TimwatchGRPOTrainer):
+        loss_rows: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+
+        def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+            mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:  # what TRL's loss multiplies in (grpo_trainer.py)
+                mask = mask * inputs["tool_mask"]
+            rows = self.loss_rows.setdefault(int(self.state.global_step) + 1, [])
+            for ids, m in zip(inputs["completion_ids"].tolist(), mask.tolist(), strict=True):
+                rows.append((tuple(ids), tuple(int(x) for x in m)))
+            return super()._compute_loss(model, inputs)
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     torch.manual_seed(0)
@@ -140,11 +154,12 @@ def train(
     data = Dataset.from_dict({"prompt": PROMPTS * (steps * PER_STEP // len(PROMPTS) + 1)})
     capture = LogCapture()
     rollout = VllmRollout(engine) if engine is not None else None
-    trainer = TimwatchGRPOTrainer(
+    trainer = Trainer(
         model=model, processing_class=tok, args=config, train_dataset=data,
         reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-        rollout_func=rollout, callbacks=[capture], tap=tap,
+        rollout_func=rollout, callbacks=[capture], tap=tap, estr_tau=estr_tau,
     )  # fmt: skip
+    trainer.loss_rows = {}
     if engine is not None:
         trainer.use_vllm = True  # TRL's vLLM path after generation (module doc)
         trainer.vllm_generation = HttpWeightSync(trainer, engine, out / "weights")
