@@ -205,13 +205,27 @@ class TimwatchGRPOTrainer(TimwatchGRPOMixin, GRPOTrainer):
         self.timwatch_estr = None if estr_tau is None else (float(estr_tau), float(estr_eps))
 
 
-class TimwatchCallback(TrainerCallback):
-    """Forwards each of TRL's logs (``sampling/*``, rewards, loss, ...) on the main process to
-    ``tap.log(step, logs, source="trl")`` under TRL's global step, where the tap has `log`;
-    flushes the tap at the end of training."""
+#: the Trainer's end-of-training summary (logged under the last step), not a step's numbers
+_SUMMARY = frozenset(
+    ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+     "train_loss")
+)  # fmt: skip
 
-    def __init__(self, tap: Any) -> None:
+
+def _skipped(name: str) -> bool:
+    """Evaluation logs and the training summary are not forwarded as a step's scalars."""
+    return name.startswith("eval_") or name in _SUMMARY
+
+
+class TimwatchCallback(TrainerCallback):
+    """Forwards each of TRL's training-step logs (``sampling/*``, rewards, loss, ...; not
+    evaluation logs nor the end-of-training summary) on the main process to
+    ``tap.log(step, logs, source="trl")`` under TRL's global step, where the tap has `log`;
+    at the end of training waits up to ``flush_s`` seconds for the tap to ship what it holds."""
+
+    def __init__(self, tap: Any, flush_s: float = 30.0) -> None:
         self.tap = tap
+        self.flush_s = flush_s
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
         send = getattr(self.tap, "log", None)
@@ -220,8 +234,10 @@ class TimwatchCallback(TrainerCallback):
         scalars = {
             k: float(v)
             for k, v in logs.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not _skipped(k)
         }
+        if not scalars or (len(scalars) == 1 and "epoch" in scalars):
+            return
         try:
             send(int(state.global_step), scalars, source="trl")
         except Exception as exc:  # noqa: BLE001 - the plug-in must never break training
@@ -230,4 +246,4 @@ class TimwatchCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         flush = getattr(self.tap, "flush", None)
         if flush is not None:
-            flush()
+            flush(self.flush_s)
