@@ -1,4 +1,4 @@
-"""Plug-ins for RL training frameworks (verl, slime).
+"""Plug-ins for RL training frameworks (verl, slime, TRL).
 
 Each submodule imports torch and is meant to be imported by the trainer process only; none of
 them needs its framework installed to be imported. `verl` (the entry module) also registers the

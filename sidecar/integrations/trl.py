@@ -1,6 +1,7 @@
 """TRL plug-in: `TimwatchGRPOTrainer` (or `TimwatchGRPOMixin` before your own `GRPOTrainer`
 subclass) reports each generation batch's per-token μ, π, H and loss mask to a timwatch tap, and
-`TimwatchCallback` forwards TRL's logged scalars; docs/integrations.md has the recipe.
+`TimwatchCallback` forwards TRL's logged scalars; docs/integrations.md has the recipe. The module
+imports without trl or transformers; those two classes import them when first used.
 
 The hook is a subclass override, not a patch: `_generate_and_score_completions` is where
 `GRPOTrainer` (TRL 1.16) holds, for one generation batch, the sampled token ids, the completion
@@ -33,21 +34,21 @@ monitor's ``mask_ratio_estr`` is the share ESTR rejects at the monitor's τ.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Protocol
 
 import torch
-from transformers import TrainerCallback
-from trl import GRPOTrainer
 
 from ...monitor.core.masks import estr_keep_mask
 from .verl_loss import pack_padded
 
 __all__ = [
     "SupportsReport",
-    "TimwatchCallback",
+    "TimwatchCallback",  # noqa: F822 - built on first use (`__getattr__`)
     "TimwatchGRPOMixin",
-    "TimwatchGRPOTrainer",
+    "TimwatchGRPOTrainer",  # noqa: F822 - built on first use (`__getattr__`)
+    "TimwatchLogForwarder",
     "apply_estr",
     "pack_grpo_batch",
 ]
@@ -189,22 +190,6 @@ class TimwatchGRPOMixin:
         return logps, got
 
 
-class TimwatchGRPOTrainer(TimwatchGRPOMixin, GRPOTrainer):
-    """`GRPOTrainer` that reports to ``tap`` (see `TimwatchGRPOMixin`), with ``forward_logs``
-    forwards its logs through `TimwatchCallback`, and with ``estr_tau`` applies ESTR in its loss
-    (`apply_estr`). Other arguments are `GRPOTrainer`'s."""
-
-    def __init__(
-        self, *args: Any, tap: SupportsReport | None = None, forward_logs: bool = True,
-        estr_tau: float | None = None, estr_eps: float = 0.01, **kwargs: Any,
-    ) -> None:  # fmt: skip
-        if tap is not None and forward_logs:
-            kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), TimwatchCallback(tap)]
-        super().__init__(*args, **kwargs)
-        self.timwatch_tap = tap
-        self.timwatch_estr = None if estr_tau is None else (float(estr_tau), float(estr_eps))
-
-
 #: the Trainer's end-of-training summary (logged under the last step), not a step's numbers
 _SUMMARY = frozenset(
     ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
@@ -217,8 +202,9 @@ def _skipped(name: str) -> bool:
     return name.startswith("eval_") or name in _SUMMARY
 
 
-class TimwatchCallback(TrainerCallback):
-    """Forwards each of TRL's training-step logs (``sampling/*``, rewards, loss, ...; not
+class TimwatchLogForwarder:
+    """The callback's behaviour (`TimwatchCallback` adds transformers' `TrainerCallback`):
+    forwards each of TRL's training-step logs (``sampling/*``, rewards, loss, ...; not
     evaluation logs nor the end-of-training summary) on the main process to
     ``tap.log(step, logs, source="trl")`` under TRL's global step, where the tap has `log`;
     at the end of training waits up to ``flush_s`` seconds for the tap to ship what it holds."""
@@ -247,3 +233,50 @@ class TimwatchCallback(TrainerCallback):
         flush = getattr(self.tap, "flush", None)
         if flush is not None:
             flush(self.flush_s)
+
+
+@functools.cache
+def _callback_class() -> type:
+    from transformers import TrainerCallback
+
+    class TimwatchCallback(TimwatchLogForwarder, TrainerCallback):
+        """A transformers `TrainerCallback` doing `TimwatchLogForwarder`'s work."""
+
+    TimwatchCallback.__module__ = __name__
+    TimwatchCallback.__qualname__ = "TimwatchCallback"  # pickled by name, via `__getattr__`
+    return TimwatchCallback
+
+
+@functools.cache
+def _trainer_class() -> type:
+    from trl import GRPOTrainer
+
+    class TimwatchGRPOTrainer(TimwatchGRPOMixin, GRPOTrainer):
+        """`GRPOTrainer` that reports to ``tap`` (see `TimwatchGRPOMixin`), with
+        ``forward_logs`` forwards its logs through `TimwatchCallback`, and with ``estr_tau``
+        applies ESTR in its loss (`apply_estr`). Other arguments are `GRPOTrainer`'s."""
+
+        def __init__(
+            self, *args: Any, tap: SupportsReport | None = None, forward_logs: bool = True,
+            estr_tau: float | None = None, estr_eps: float = 0.01, **kwargs: Any,
+        ) -> None:  # fmt: skip
+            if tap is not None and forward_logs:
+                extra = _callback_class()(tap)
+                kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), extra]
+            super().__init__(*args, **kwargs)
+            self.timwatch_tap = tap
+            self.timwatch_estr = None if estr_tau is None else (float(estr_tau), float(estr_eps))
+
+    TimwatchGRPOTrainer.__module__ = __name__
+    TimwatchGRPOTrainer.__qualname__ = "TimwatchGRPOTrainer"  # pickled by name, via `__getattr__`
+    return TimwatchGRPOTrainer
+
+
+def __getattr__(name: str) -> Any:
+    """`TimwatchGRPOTrainer` and `TimwatchCallback`, built on first use (they import trl and
+    transformers: the rest of this module imports neither)."""
+    if name == "TimwatchGRPOTrainer":
+        return _trainer_class()
+    if name == "TimwatchCallback":
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

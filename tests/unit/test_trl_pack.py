@@ -1,19 +1,16 @@
 """The TRL plug-in's two pure functions on hand-made `_generate_and_score_completions` outputs:
-`pack_grpo_batch` (what is reported) and `apply_estr` (what TRL's loss then multiplies in)."""
+`pack_grpo_batch` (what is reported) and `apply_estr` (what TRL's loss then multiplies in), and
+that the module imports without trl or transformers (trl is not needed to run these)."""
 
 from __future__ import annotations
 
 import math
-import os
+import subprocess
+import sys
 
-import pytest
 import torch
 
-if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_TRL"):
-    import trl  # noqa: F401  # CI installs it: a missing trl fails, it does not skip
-else:
-    pytest.importorskip("trl")
-
+from tests.helpers.procs import REPO
 from timwatch.monitor.core.batch import Batch
 from timwatch.sidecar.integrations.trl import apply_estr, pack_grpo_batch
 
@@ -72,3 +69,13 @@ def test_estr_rejects_by_delta_squared_against_entropy() -> None:
     apply_estr(out, PI, H, tau=0.2, eps=0.01)  # 0.25 > 0.2·1.01 and 1 > 0.2·1.51: rejected
     assert out["tool_mask"].tolist() == [[0, 1, 1, 0], [0, 0, 0, 0]]
     assert apply_estr(_output(), PI, H, tau=1.0) is None  # no μ: TRL's loss unchanged
+
+
+def test_module_imports_neither_trl_nor_transformers() -> None:
+    code = (
+        "import sys, timwatch.sidecar.integrations.trl as m;"
+        "print(sorted(n for n in ('trl', 'transformers') if n in sys.modules))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
