@@ -28,6 +28,7 @@ from .settings import DEFAULT_FINISH_GRACE, DEFAULT_RUN_TTL
 
 __all__ = [
     "REJECT_REASONS",
+    "SCALAR_REJECT_REASONS",
     "RunRegistry",
     "RunState",
 ]
@@ -38,6 +39,9 @@ __all__ = [
 REJECT_REASONS = (
     "validation", "too_large", "unauthorized", "store_unavailable", "conflict", "overloaded",
 )  # fmt: skip
+
+#: the fixed label set of refused scalar posts (``POST /v1/runs/{run}/scalars``)
+SCALAR_REJECT_REASONS = ("validation", "too_large", "unauthorized")
 
 
 @dataclass
@@ -70,6 +74,10 @@ class RunRegistry:
     clock: Clock = SYSTEM_CLOCK
     _runs: dict[str, RunState] = field(default_factory=dict)
     _rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
+    _scalar_rejected: dict[str, int] = field(default_factory=dict)
+    _scalars: dict[str, tuple[int, str | None, dict[str, float | None], float]] = field(
+        default_factory=dict
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _clock: int = 0
 
@@ -188,6 +196,38 @@ class RunRegistry:
             raise ValueError(f"unknown rejection reason {reason!r}")
         with self._lock:
             self._rejected[reason] += 1
+
+    def observe_scalars(
+        self, run: str, step: int, source: str | None, mapped: Any, answer: dict[str, Any]
+    ) -> None:
+        """Keep the latest canonical scalars of `run` (a step at or after the last one seen)
+        for the exporter; a replay changes nothing."""
+        if answer.get("replayed"):
+            return
+        with self._lock:
+            cur = self._scalars.get(run)
+            if cur is not None and step < cur[0]:
+                return
+            values = dict(cur[2]) if cur is not None and cur[0] == step else {}
+            values.update(mapped.canonical)
+            self._scalars[run] = (step, source, values, self.clock.monotonic())
+
+    def scalars(self) -> dict[str, tuple[int, str | None, dict[str, float | None], float]]:
+        """``{run: (step, source, {canonical name: value}, seen_at)}`` of the latest scalars."""
+        with self._lock:
+            return dict(self._scalars)
+
+    def reject_scalars(self, reason: str) -> None:
+        """Count a refused ``POST /v1/runs/{run}/scalars`` under `reason`
+        (`SCALAR_REJECT_REASONS`)."""
+        if reason not in SCALAR_REJECT_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        with self._lock:
+            self._scalar_rejected[reason] = self._scalar_rejected.get(reason, 0) + 1
+
+    def scalar_rejected(self) -> dict[str, int]:
+        with self._lock:
+            return {r: self._scalar_rejected.get(r, 0) for r in SCALAR_REJECT_REASONS}
 
     def rejected(self) -> dict[str, int]:
         with self._lock:

@@ -1,0 +1,147 @@
+"""The scalar bridge's HTTP side: ``POST/GET /v1/runs/{run}/scalars`` in process (bad input,
+idempotence, on SQLite and PostgreSQL) and `Tap.log` against a real `timwatch serve`, through a
+trainer restart that sends its steps again."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.inproc import InProcessApp
+from tests.helpers.procs import SHARED_TOKEN, ServerProc
+from tests.helpers.wire import fresh_run
+from timwatch.monitor.core.scalars import MAX_NAMES
+from timwatch.monitor.store.scalars import MAX_UNMAPPED
+from timwatch.sidecar.tap import Tap
+
+
+def post(c: Any, run: str, body: Any, **kw: Any) -> Any:
+    return c.post(f"/v1/runs/{run}/scalars", json=body, **kw)
+
+
+def test_post_maps_stores_and_a_resent_step_counts_once(
+    app_factory: Callable[..., InProcessApp], db_url: str
+) -> None:
+    app = app_factory(db=db_url)
+    with app.client() as c:
+        body = {"step": 3, "source": "verl", "scalars": {"rollout_corr/k3_kl": 2e-3,
+                "actor/grad_norm": 0.5, "timing/gen": 1.25}, "nonfinite": ["actor/lr"]}  # fmt: skip
+        first = post(c, "r", body)
+        assert first.status_code == 200, first.text
+        got = first.json()
+        assert got["stored"] == ["grad_norm", "learning_rate", "mismatch_kl"]
+        assert got["unmapped"] == ["timing/gen"]
+        assert got["nonfinite"] == ["actor/lr"]
+        assert (got["new"], got["changed"], got["replayed"]) == (4, 0, False)
+        again = post(c, "r", body).json()
+        assert (again["new"], again["changed"], again["replayed"]) == (0, 0, True)
+        body["scalars"]["actor/grad_norm"] = 0.75  # a resumed trainer recomputed the step
+        changed = post(c, "r", body).json()
+        assert (changed["new"], changed["changed"], changed["replayed"]) == (0, 1, False)
+        post(c, "r", {"step": 5, "scalars": {"grad_norm": 1.0, "mismatch_kl": 3e-3}})
+        hist = c.get("/v1/runs/r/scalars").json()
+        assert hist["steps"] == [3, 5]
+        assert hist["scalars"]["grad_norm"] == [0.75, 1.0]
+        assert hist["scalars"]["mismatch_kl"] == [2e-3, 3e-3]
+        assert hist["scalars"]["learning_rate"] == [None, None]
+        assert "timing/gen" not in hist["scalars"]
+        assert hist["sources"]["mismatch_kl"] is None  # step 5 came with canonical names
+        last = c.get("/v1/runs/r/scalars", params={"names": "grad_norm", "last": 1}).json()
+        assert (last["steps"], last["scalars"]) == ([5], {"grad_norm": [1.0]})
+        runs = c.get("/v1/runs").json()
+        assert [r["run"] for r in runs["runs"]] == ["r"]
+        assert runs["runs"][0]["last_step"] == 5
+
+
+def test_unmapped_names_are_bounded_per_step(app: InProcessApp) -> None:
+    with app.client() as c:
+        names = {f"extra/{i}": float(i) for i in range(MAX_UNMAPPED + 5)}
+        got = post(c, "r", {"step": 0, "scalars": names}).json()
+        assert got["unmapped_dropped"] == 5
+        more = post(c, "r", {"step": 0, "scalars": {"extra/new": 1.0, "extra/0": 0.0}}).json()
+        assert more["unmapped_dropped"] == 1
+        assert more["replayed"]
+
+
+BAD = [
+    ({"scalars": {"loss": 1.0}}, "step"),
+    ({"step": -1, "scalars": {"loss": 1.0}}, "step"),
+    ({"step": 2**63, "scalars": {"loss": 1.0}}, "step"),
+    ({"step": 1.5, "scalars": {"loss": 1.0}}, "step"),
+    ({"step": 1, "source": "megatron", "scalars": {"loss": 1.0}}, "source"),
+    ({"step": 1, "scalars": {"loss": "1.0"}}, "scalars.loss"),
+    ({"step": 1, "scalars": {"loss": None}}, "scalars.loss"),
+    ({"step": 1, "scalars": [1.0]}, "scalars"),
+    ({"step": 1, "scalars": {}}, "scalars"),
+    ({"step": 1, "scalars": {f"n{i}": 1 for i in range(MAX_NAMES + 1)}}, "scalars"),
+    ({"step": 1, "scalars": {"loss": 1.0}, "nonfinite": ["loss"]}, "nonfinite[0]"),
+    ({"step": 1, "scalars": {"loss": 1.0}, "nonfinite": ["x", 3]}, "nonfinite[1]"),
+    ({"step": 1, "scalars": {"loss": 1.0}, "rank": 0}, "rank"),
+    ([1, 2], "body"),
+]
+
+
+def test_bad_input_is_a_422_naming_the_field_and_counted(app: InProcessApp) -> None:
+    with app.client() as c:
+        for body, field in BAD:
+            res = post(c, "r", body)
+            assert res.status_code == 422, (body, res.text)
+            assert res.json()["field"] == field, (body, res.text)
+        raw = c.post("/v1/runs/r/scalars", content=b'{"step": 1, "scalars": {"loss": NaN}}')
+        assert (raw.status_code, raw.json()["field"]) == (422, "body")
+        big = c.post("/v1/runs/r/scalars", content=b" " * (300 * 1024))
+        assert big.status_code == 413
+        bad_run = post(c, "bad run!", {"step": 1, "scalars": {"loss": 1.0}})
+        assert bad_run.status_code == 422
+        assert c.get("/v1/runs/r/scalars").status_code == 404  # nothing was stored
+    counts = app.app.state.runs.scalar_rejected()
+    assert counts == {"validation": len(BAD) + 2, "too_large": 1, "unauthorized": 0}
+
+
+def test_writes_need_the_token(app_factory: Callable[..., InProcessApp]) -> None:
+    app = app_factory(token="w")
+    with app.client() as c:
+        assert post(c, "r", {"step": 1, "scalars": {"loss": 1.0}}).status_code == 401
+    with app.client("w") as c:
+        assert post(c, "r", {"step": 1, "scalars": {"loss": 1.0}}).status_code == 200
+    assert app.app.state.runs.scalar_rejected()["unauthorized"] == 1
+
+
+def test_tap_log_through_a_real_server_and_a_restarted_trainer(shared_server: ServerProc) -> None:
+    run = fresh_run("scalars")
+    tap = Tap(shared_server.url, run, SHARED_TOKEN, finish=False)
+    for step in range(3):
+        tap.log(
+            step,
+            {"reward": torch.tensor(0.1 * step), "grad_norm": float(step),
+             "sampling/sampling_logp_difference/mean": 1e-3 * (step + 1),
+             "loss": math.nan if step == 2 else 0.5},
+            source="trl",
+        )  # fmt: skip
+    assert tap.log(9, {"loss": 1.0}, source="not-a-framework") is False
+    assert tap.close(30)
+    assert tap.stats()["sent"] == 3
+    # the trainer restarts from its step-1 checkpoint and logs steps 1 and 2 again
+    resumed = Tap(shared_server.url, run, SHARED_TOKEN, finish=False)
+    for step in (1, 2):
+        resumed.log(
+            step,
+            {"reward": torch.tensor(0.1 * step), "grad_norm": float(step),
+             "sampling/sampling_logp_difference/mean": 1e-3 * (step + 1),
+             "loss": math.nan if step == 2 else 0.5},
+            source="trl",
+        )  # fmt: skip
+    assert resumed.close(30)
+    stats = resumed.stats()
+    assert (stats["sent"], stats["refused"], stats["invalid"]) == (2, 0, 0)
+    with shared_server.client() as c:
+        hist = c.get(f"/v1/runs/{run}/scalars").json()
+    assert hist["steps"] == [0, 1, 2]
+    assert hist["scalars"]["log_ratio_abs_mean"] == pytest.approx([1e-3, 2e-3, 3e-3])
+    assert hist["scalars"]["reward_mean"] == pytest.approx([0.0, 0.1, 0.2])
+    assert hist["scalars"]["loss"] == [0.5, 0.5, None]
+    assert set(hist["sources"].values()) == {"trl"}
