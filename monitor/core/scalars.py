@@ -12,8 +12,10 @@ Invariants:
   timwatch does not (its applied, truncated or masked importance weight, the share of tokens its
   own correction rejected, ...), never a `MetricRow` column; ``health`` is the trainer's own
   health, named one way for every framework (`HEALTH`).
-- `SOURCES` maps each supported framework's logged names onto canonical names; a name maps to
-  at most one canonical name, and within one source no two names map to the same one.
+- `SOURCES` maps each supported framework's logged names onto canonical names (a name may
+  carry one of the source's `PREFIXES`); a name maps to at most one canonical name, within one
+  source no two names map to the same one, and one step's dict that names a canonical scalar
+  twice (``loss`` and ``train/loss``) is refused.
 - `map_scalars` never drops or renames silently: every input name ends up either in
   ``canonical`` (under its canonical name) or in ``unmapped`` (under its own name), or is
   refused with an `InputError` naming it. Values are Python floats, or None for a non-finite
@@ -37,6 +39,7 @@ __all__ = [
     "MAX_NAMES",
     "MAX_STEP",
     "SOURCES",
+    "PREFIXES",
     "MappedScalars",
     "ScalarName",
     "check_source",
@@ -126,6 +129,29 @@ _ALL = (
         "share of sequences the framework's own correction masked or rejected",
     ),
     _correction(
+        "log_ratio_abs_seq_mean",
+        "mean over sequences of each sequence's mean |δ| (timwatch's log_ratio_abs_mean is "
+        "over tokens)",
+    ),
+    _correction(
+        "is_ratio_seq_mean",
+        "mean over sequences of each sequence's mean raw r (timwatch's is_ratio_mean is over "
+        "tokens)",
+    ),
+    _correction(
+        "correction_kept_fraction",
+        "share of tokens the framework's own correction kept (its filter's pass rate)",
+    ),
+    _correction(
+        "framework_kl_reverse",
+        "the framework's own KL(train‖rollout) estimate (NeMo-RL's policy_kl_error)",
+    ),
+    _correction(
+        "framework_js",
+        "the framework's own Jensen-Shannon divergence between rollout and train "
+        "(NeMo-RL's js_divergence_error)",
+    ),
+    _correction(
         "framework_kl",
         "the framework's own KL(rollout‖train) estimate whose estimator is not one of timwatch's "
         "k1/k2/k3 (or not documented as one)",
@@ -199,11 +225,99 @@ _VERL = {
     "actor/pg_loss": "loss",
 }
 
+# OpenRLHF PolicyLoss: vllm_kl = masked_mean(rollout − old) = mean(−δ); the trainer's status
+_OPENRLHF = {
+    "vllm_kl": "kl_k1",
+    "policy_loss": "loss",
+    "ppo_clip_ratio": "clip_fraction",
+    "actor_lr": "learning_rate",
+    "reward": "reward_mean",
+    "response_length": "response_length_mean",
+}
+
+# AReaL decoupled PPO (stats_tracker under ppo_actor/update): behave_imp_weight = e^(prox − μ)
+# capped, averaged over the tokens it kept; behave_approx_kl = prox − μ over those tokens
+_AREAL = {
+    "ppo_actor/update/behave_imp_weight/avg": "is_weight_mean",
+    "ppo_actor/update/behave_imp_weight/min": "is_weight_min",
+    "ppo_actor/update/behave_imp_weight/max": "is_weight_max",
+    "ppo_actor/update/behave_approx_kl/avg": "framework_kl",
+    "ppo_actor/update/actor_loss/avg": "loss",
+    "ppo_actor/update/clip_ratio/avg": "clip_fraction",
+    "ppo_actor/update/entropy/avg": "entropy",
+}
+
+# NeMo-RL ClippedPGLossFn: token_mult_prob_error = masked mean of e^|μ − π|
+_NEMO_RL = {
+    "token_mult_prob_error": "exp_abs_log_ratio_mean",
+    "gen_kl_error": "framework_kl",
+    "policy_kl_error": "framework_kl_reverse",
+    "js_divergence_error": "framework_js",
+    "sampling_importance_ratio": "is_weight_mean",
+    "reward": "reward_mean",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+}
+
+# SkyRL trainer: |rollout_logprobs − action_log_probs| over loss_mask tokens (std: torch's,
+# with Bessel's correction)
+_SKYRL = {
+    "policy/rollout_train_logprobs_abs_diff_mean": "log_ratio_abs_mean",
+    "policy/rollout_train_logprobs_abs_diff_max": "log_ratio_abs_max",
+    "policy/rollout_train_logprobs_abs_diff_std": "log_ratio_abs_std",
+    "loss/avg_final_rewards": "reward_mean",
+}
+
+# ROLL actor worker: seq-mean-token-mean of the train/infer ratio; the filter's pass rate
+_ROLL = {
+    "actor/train_infer_ratio_mean": "is_ratio_seq_mean",
+    "actor/train_infer_ratio_mask_mean": "correction_kept_fraction",
+    "actor/pg_loss": "loss",
+    "actor/pg_clipfrac": "clip_fraction",
+    "actor/grad_norm": "grad_norm",
+}
+
+# prime-rl loss: mismatch_kl = r − log r − 1 (k3), is_masked = its probability-difference mask
+_PRIME_RL = {
+    "mismatch_kl/mean": "mismatch_kl",
+    "is_masked/mean": "correction_masked_fraction",
+    "entropy/mean": "entropy",
+}
+
+# slime: verl's mismatch metrics under a mismatch_ prefix, and its loss report
+# (train_rollout_logprob_abs_diff = mean over samples of each sample's mean |old − rollout|)
+_SLIME = {
+    "mismatch_kl": "kl_k1",
+    "mismatch_k3_kl": "mismatch_kl",
+    "mismatch_training_ppl": "training_ppl",
+    "mismatch_training_log_ppl": "training_log_ppl",
+    "mismatch_rollout_ppl": "rollout_ppl",
+    "mismatch_rollout_log_ppl": "rollout_log_ppl",
+    "mismatch_log_ppl_diff": "log_ppl_diff",
+    "mismatch_log_ppl_abs_diff": "log_ppl_abs_diff",
+    "mismatch_log_ppl_diff_max": "log_ppl_diff_max",
+    "mismatch_log_ppl_diff_min": "log_ppl_diff_min",
+    "mismatch_ppl_ratio": "ppl_ratio",
+    "train_rollout_logprob_abs_diff": "log_ratio_abs_seq_mean",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "pg_clipfrac": "clip_fraction",
+}
+
 #: framework name → {its logged name: canonical name}; see docs/integrations.md ("Scalars")
 SOURCES: dict[str, dict[str, str]] = {
     "trl": _TRL,
+    "openrlhf": _OPENRLHF,
+    "areal": _AREAL,
+    "nemo_rl": _NEMO_RL,
+    "skyrl": _SKYRL,
+    "roll": _ROLL,
+    "prime_rl": _PRIME_RL,
     "verl": _VERL,
+    "slime": _SLIME,
 }
+#: prefixes a source's logger puts before the names above (``train/loss`` is slime's ``loss``)
+PREFIXES: dict[str, tuple[str, ...]] = {"nemo_rl": ("train/",), "slime": ("train/",)}
 
 
 @dataclass
@@ -284,13 +398,29 @@ def map_scalars(values: Mapping[str, Any], source: str | None = None) -> MappedS
         if not math.isfinite(value):
             out.nonfinite.append(name)
             kept = None
-        target = names.get(name) if names is not None else (name if name in CANONICAL else None)
+        target = _lookup(name, names, PREFIXES.get(source or "", ()))
         if target is None:
             out.unmapped[name] = kept
-        else:
-            out.canonical[target] = kept
-            out.origin[target] = name
+            continue
+        if target in out.origin:
+            raise InputError(
+                f"scalars.{name}",
+                f"scalars.{name} and scalars.{out.origin[target]} both map to {target}",
+            )
+        out.canonical[target] = kept
+        out.origin[target] = name
     return out
+
+
+def _lookup(name: str, names: dict[str, str] | None, prefixes: tuple[str, ...]) -> str | None:
+    if names is None:
+        return name if name in CANONICAL else None
+    if name in names:
+        return names[name]
+    for prefix in prefixes:
+        if name.startswith(prefix) and name[len(prefix) :] in names:
+            return names[name[len(prefix) :]]
+    return None
 
 
 def _check_maps() -> None:

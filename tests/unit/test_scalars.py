@@ -75,7 +75,86 @@ VERL_EXPECTED = {
     "actor/pg_clipfrac": "clip_fraction",
     "actor/pg_loss": "loss",
 }
-EXPECTED = {"trl": TRL_EXPECTED, "verl": VERL_EXPECTED}
+# OpenRLHF: PolicyLoss returns vllm_kl = masked_mean(rollout − old); the trainer's status keys
+OPENRLHF_EXPECTED = {
+    "vllm_kl": "kl_k1",
+    "policy_loss": "loss",
+    "ppo_clip_ratio": "clip_fraction",
+    "actor_lr": "learning_rate",
+    "reward": "reward_mean",
+    "response_length": "response_length_mean",
+}
+# AReaL: stats_tracker keys of ppo_actor/update (decoupled PPO's behave_* statistics)
+AREAL_EXPECTED = {
+    "ppo_actor/update/behave_imp_weight/avg": "is_weight_mean",
+    "ppo_actor/update/behave_imp_weight/min": "is_weight_min",
+    "ppo_actor/update/behave_imp_weight/max": "is_weight_max",
+    "ppo_actor/update/behave_approx_kl/avg": "framework_kl",
+    "ppo_actor/update/actor_loss/avg": "loss",
+    "ppo_actor/update/clip_ratio/avg": "clip_fraction",
+    "ppo_actor/update/entropy/avg": "entropy",
+}
+# NeMo-RL: ClippedPGLossFn metrics (logged under train/)
+NEMO_RL_EXPECTED = {
+    "token_mult_prob_error": "exp_abs_log_ratio_mean",
+    "gen_kl_error": "framework_kl",
+    "policy_kl_error": "framework_kl_reverse",
+    "js_divergence_error": "framework_js",
+    "sampling_importance_ratio": "is_weight_mean",
+    "reward": "reward_mean",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+}
+# SkyRL: trainer's policy/rollout_train_logprobs_abs_diff_*
+SKYRL_EXPECTED = {
+    "policy/rollout_train_logprobs_abs_diff_mean": "log_ratio_abs_mean",
+    "policy/rollout_train_logprobs_abs_diff_max": "log_ratio_abs_max",
+    "policy/rollout_train_logprobs_abs_diff_std": "log_ratio_abs_std",
+    "loss/avg_final_rewards": "reward_mean",
+}
+# ROLL: actor worker's train/infer metrics (seq-mean-token-mean), filter pass rate
+ROLL_EXPECTED = {
+    "actor/train_infer_ratio_mean": "is_ratio_seq_mean",
+    "actor/train_infer_ratio_mask_mean": "correction_kept_fraction",
+    "actor/pg_loss": "loss",
+    "actor/pg_clipfrac": "clip_fraction",
+    "actor/grad_norm": "grad_norm",
+}
+# prime-rl: loss metrics as the trainer logs them (mismatch_kl is k3)
+PRIME_RL_EXPECTED = {
+    "mismatch_kl/mean": "mismatch_kl",
+    "is_masked/mean": "correction_masked_fraction",
+    "entropy/mean": "entropy",
+}
+# slime: verl's off-policy metrics under mismatch_, and its reported loss dict (under train/)
+SLIME_EXPECTED = {
+    "mismatch_kl": "kl_k1",
+    "mismatch_k3_kl": "mismatch_kl",
+    "mismatch_training_ppl": "training_ppl",
+    "mismatch_training_log_ppl": "training_log_ppl",
+    "mismatch_rollout_ppl": "rollout_ppl",
+    "mismatch_rollout_log_ppl": "rollout_log_ppl",
+    "mismatch_log_ppl_diff": "log_ppl_diff",
+    "mismatch_log_ppl_abs_diff": "log_ppl_abs_diff",
+    "mismatch_log_ppl_diff_max": "log_ppl_diff_max",
+    "mismatch_log_ppl_diff_min": "log_ppl_diff_min",
+    "mismatch_ppl_ratio": "ppl_ratio",
+    "train_rollout_logprob_abs_diff": "log_ratio_abs_seq_mean",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "pg_clipfrac": "clip_fraction",
+}
+EXPECTED = {
+    "trl": TRL_EXPECTED,
+    "openrlhf": OPENRLHF_EXPECTED,
+    "areal": AREAL_EXPECTED,
+    "nemo_rl": NEMO_RL_EXPECTED,
+    "skyrl": SKYRL_EXPECTED,
+    "roll": ROLL_EXPECTED,
+    "prime_rl": PRIME_RL_EXPECTED,
+    "verl": VERL_EXPECTED,
+    "slime": SLIME_EXPECTED,
+}
 
 
 @pytest.mark.parametrize("source", sorted(EXPECTED))
@@ -103,8 +182,17 @@ def test_metric_kind_names_are_metric_row_series_and_the_others_are_not() -> Non
     )  # fmt: skip
 
 
+def test_prefixed_names_map_and_a_name_given_twice_is_refused() -> None:
+    mapped = map_scalars({"train/token_mult_prob_error": 1.01, "train/loss": 0.2}, "nemo_rl")
+    assert mapped.canonical == {"exp_abs_log_ratio_mean": 1.01, "loss": 0.2}
+    assert map_scalars({"train/vllm_kl": 1.0}, "openrlhf").unmapped == {"train/vllm_kl": 1.0}
+    with pytest.raises(InputError) as err:
+        map_scalars({"loss": 1.0, "train/loss": 1.0}, "slime")
+    assert err.value.field == "scalars.train/loss"
+
+
 def test_every_source_maps_onto_known_names_once() -> None:
-    assert set(SOURCES) >= {"trl", "verl"}
+    assert set(SOURCES) == set(EXPECTED)
     for names in SOURCES.values():
         assert set(names.values()) <= set(CANONICAL)
         assert len(set(names.values())) == len(names)
