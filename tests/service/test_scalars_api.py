@@ -145,3 +145,34 @@ def test_tap_log_through_a_real_server_and_a_restarted_trainer(shared_server: Se
     assert hist["scalars"]["reward_mean"] == pytest.approx([0.0, 0.1, 0.2])
     assert hist["scalars"]["loss"] == [0.5, 0.5, None]
     assert set(hist["sources"].values()) == {"trl"}
+
+
+def test_prometheus_shows_the_latest_canonical_scalars_bounded_and_evicted(
+    app_factory: Callable[..., InProcessApp],
+) -> None:
+    from tests.helpers.clock import FakeClock
+    from tests.helpers.wire import counters
+    from tests.unit.test_exporter import promtool_check
+
+    clock = FakeClock()
+    app = app_factory(clock=clock, run_ttl=600.0)
+    with app.client() as c:
+        post(c, "a", {"step": 1, "source": "verl", "scalars": {"rollout_corr/k3_kl": 1e-3,
+             "actor/grad_norm": 0.5, "perf/throughput": 9.0}})  # fmt: skip
+        post(c, "a", {"step": 2, "source": "verl", "scalars": {"rollout_corr/k3_kl": 2e-3},
+                      "nonfinite": ["actor/grad_norm"]})  # fmt: skip
+        post(c, "a", {"step": 1, "source": "verl", "scalars": {"rollout_corr/k3_kl": 5.0}})
+        post(c, "b", {"step": 7, "scalars": {"reward_mean": 0.25}})
+        post(c, "b", {"step": "x", "scalars": {}})
+        text = c.get("/metrics").text
+        promtool_check(text)
+        got = counters(text)
+        assert got["timwatch_scalar_mismatch_kl{run=a,source=verl}"] == 2e-3  # step 2 wins
+        assert got["timwatch_scalar_step{run=a,source=verl}"] == 2
+        assert "timwatch_scalar_grad_norm{run=a,source=verl}" not in got  # NaN at step 2
+        assert got["timwatch_scalar_reward_mean{run=b,source=}"] == 0.25
+        assert got["timwatch_rejected_scalar_posts_total{reason=validation}"] == 1
+        assert not [k for k in got if "throughput" in k]  # unmapped names are not exported
+        clock.advance(601.0)
+        after = counters(c.get("/metrics").text)
+        assert not [k for k in after if k.startswith("timwatch_scalar_")]
