@@ -176,3 +176,41 @@ def test_prometheus_shows_the_latest_canonical_scalars_bounded_and_evicted(
         clock.advance(601.0)
         after = counters(c.get("/metrics").text)
         assert not [k for k in after if k.startswith("timwatch_scalar_")]
+
+
+def test_a_scalars_only_run_in_timwatch_query(shared_server: ServerProc) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers.procs import REPO, SHARED_READ_TOKEN
+    from timwatch.monitor.client import TimwatchClient
+
+    run = fresh_run("scalars-cli")
+    with TimwatchClient(shared_server.url, token=SHARED_TOKEN) as c:
+        for step in range(3):
+            c.post_scalars(
+                run, step, {"vllm_kl": -1e-3 * step, "policy_loss": 0.5 + step},
+                source="openrlhf", nonfinite=["actor_lr"] if step == 1 else (),
+            )  # fmt: skip
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "timwatch", "query", run, *args, "--url", shared_server.url,
+             "--token", SHARED_READ_TOKEN],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    csv = cli("--scalars", "-m", "kl_k1", "-m", "loss", "-m", "learning_rate", "--csv")
+    assert csv.returncode == 0, csv.stderr
+    assert csv.stdout.splitlines() == [
+        "step,kl_k1,loss,learning_rate",
+        "0,0.0,0.5,",
+        "1,-0.001,1.5,",
+        "2,-0.002,2.5,",
+    ]
+    table = cli("--scalars", "--last", "1")
+    assert table.returncode == 0, table.stderr
+    assert "from: openrlhf" in table.stdout and "2.5" in table.stdout
+    bad = cli("--scalars", "-m", "vllm_kl")
+    assert bad.returncode == 2 and "unknown scalar 'vllm_kl'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -19,7 +19,14 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ...core.errors import ApiError, InputError
-from ...core.scalars import MAX_NAME_CHARS, MAX_NAMES, check_source, check_step, map_scalars
+from ...core.scalars import (
+    CANONICAL,
+    MAX_NAME_CHARS,
+    MAX_NAMES,
+    check_source,
+    check_step,
+    map_scalars,
+)
 from ..deps import RunsDep, StoreDep, require_read, require_write
 from ..ingest import TAP_DROPPED_HEADER, check_run, parse_tap_dropped
 from ..responses import json_response, split_list
@@ -145,5 +152,10 @@ def get_scalars(
     check_step_range(from_step, to_step)
     known_run(store, run)
     wanted = split_list(names) if names else None
+    unknown = [n for n in wanted or () if n not in CANONICAL]
+    if unknown:
+        raise ApiError(
+            422, f"unknown scalar {unknown[0]!r:.80}; known: {', '.join(CANONICAL)}", field="names"
+        )
     out = store.query_scalars(run, wanted, from_step=from_step, to_step=to_step, last=last)
     return json_response({"run": run, **out})
