@@ -4,6 +4,7 @@ trainer restart that sends its steps again."""
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Callable
 from typing import Any
@@ -214,3 +215,24 @@ def test_a_scalars_only_run_in_timwatch_query(shared_server: ServerProc) -> None
     bad = cli("--scalars", "-m", "vllm_kl")
     assert bad.returncode == 2 and "unknown scalar 'vllm_kl'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_scalars_only_run_renders_in_the_report(app: InProcessApp) -> None:
+    with app.client() as c:
+        for step in range(4):
+            post(c, "r", {"step": step, "source": "verl", "scalars": {
+                "rollout_corr/k3_kl": 1e-3 * (step + 1), "rollout_corr/rollout_is_mean": 1.0,
+                "actor/grad_norm": 0.5, "critic/score/mean": 0.1 * step}})  # fmt: skip
+        res = c.get("/v1/runs/r/report.html")
+        empty = c.get("/v1/runs/r/report.html", params={"from_step": 10})
+    assert res.status_code == 200, res.text
+    page = res.text
+    assert "its metrics came from the trainer's scalars only" in page
+    section = page[page.index('id="scalars"') : page.index('id="details"')]
+    assert "came from the trainer's own logged scalars (source: verl)" in section
+    titles = ["mismatch, from trainer scalars", "the trainer's own correction numbers",
+              "reward_mean (trainer health)", "grad_norm (trainer health)"]  # fmt: skip
+    for title in titles:
+        assert f'alt="{html.escape(title)}"' in section, title
+    assert section.count("<img") == len(titles)
+    assert empty.status_code == 200 and "no trainer scalars in this range" in empty.text
