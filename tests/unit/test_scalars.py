@@ -242,3 +242,14 @@ def test_bad_input_names_the_field(values: object, source: str | None, field: st
     with pytest.raises(InputError) as err:
         map_scalars(values, source)  # type: ignore[arg-type]
     assert err.value.field == field
+
+
+def test_the_docs_scalars_section_names_every_name_and_source() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    section = text[text.index("## Scalars") :]
+    for name in CANONICAL:
+        assert f"`{name}`" in section, name
+    for source in SOURCES:
+        assert f"| `{source}` |" in section, source
