@@ -236,3 +236,34 @@ def test_a_scalars_only_run_renders_in_the_report(app: InProcessApp) -> None:
         assert f'alt="{html.escape(title)}"' in section, title
     assert section.count("<img") == len(titles)
     assert empty.status_code == 200 and "no trainer scalars in this range" in empty.text
+
+
+def test_diagnose_says_a_run_sent_only_scalars(shared_server: ServerProc) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers.procs import REPO, SHARED_READ_TOKEN
+    from timwatch.monitor.client import TimwatchClient
+
+    run = fresh_run("scalars-diag")
+    with TimwatchClient(shared_server.url, token=SHARED_TOKEN) as c:
+        for step in (4, 5):
+            c.post_scalars(run, step, {"mismatch_kl/mean": 0.03, "entropy/mean": step / 16},
+                           source="prime_rl")  # fmt: skip
+        diag = c.diagnosis(run)
+    assert diag["steps"] == 0 and diag["causes"] == []
+    assert diag["scalars"] == {
+        "steps": 2, "from_step": 4, "to_step": 5, "sources": ["prime_rl"],
+        "last": {"entropy": 0.3125, "mismatch_kl": 0.03},
+    }  # fmt: skip
+    for n in diag["not_checked"]:
+        assert "sent only its trainer's scalars (2 steps, from prime_rl)" in n["reason"]
+    out = subprocess.run(
+        [sys.executable, "-m", "timwatch", "diagnose", run, "--url", shared_server.url,
+         "--token", SHARED_READ_TOKEN],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "trainer scalars: 2 steps (4–5) from prime_rl" in text
+    assert "not read by the rules" in text
