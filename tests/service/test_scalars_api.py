@@ -267,3 +267,40 @@ def test_diagnose_says_a_run_sent_only_scalars(shared_server: ServerProc) -> Non
     text = " ".join(out.stdout.split())
     assert "trainer scalars: 2 steps (4–5) from prime_rl" in text
     assert "not read by the rules" in text
+
+
+def test_migration_0007_down_and_up_keeps_batches_and_drops_only_scalars(db_url: str) -> None:
+    from sqlalchemy import inspect
+
+    from tests.service.test_identity import _alembic
+    from timwatch.monitor.core.scalars import map_scalars
+    from timwatch.monitor.store import Store
+
+    store = Store(db_url)
+    try:
+        store.record_scalars("r", 1, None, map_scalars({"loss": 1.0}))
+        _alembic(store, "0006")
+        assert "step_scalars" not in inspect(store.engine).get_table_names()
+        assert [r["run"] for r in store.list_runs()] == ["r"]  # the run itself stays
+    finally:
+        store.close()
+    store = Store(db_url)  # upgrades to head again
+    try:
+        assert store.query_scalars("r")["steps"] == []
+        answer = store.record_scalars("r", 1, None, map_scalars({"loss": 2.0}))
+        assert answer["new"] == 1
+    finally:
+        store.close()
+
+
+def test_tap_log_counts_a_bad_dict_as_invalid_and_sends_nothing(shared_server: ServerProc) -> None:
+    run = fresh_run("scalars-bad")
+    tap = Tap(shared_server.url, run, SHARED_TOKEN, finish=False)
+    assert tap.log(1, {"loss": "high"}) is True  # checked on the shipper thread, not here
+    assert tap.log(2, {"loss": 0.5, "weird\nname": 1.0}) is True
+    assert tap.log(3, {"loss": 0.25}) is True
+    assert tap.close(30)
+    stats = tap.stats()
+    assert (stats["invalid"], stats["sent"], stats["refused"]) == (2, 1, 0)
+    with shared_server.client() as c:
+        assert c.get(f"/v1/runs/{run}/scalars").json()["steps"] == [3]

@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from timwatch.monitor.core.errors import InputError
 from timwatch.monitor.core.row import MetricRow
@@ -253,3 +255,30 @@ def test_the_docs_scalars_section_names_every_name_and_source() -> None:
         assert f"`{name}`" in section, name
     for source in SOURCES:
         assert f"| `{source}` |" in section, source
+
+
+_names = st.one_of(
+    st.sampled_from(sorted({n for m in SOURCES.values() for n in m} | set(CANONICAL))),
+    st.text(min_size=1, max_size=20).filter(str.isprintable),
+)
+_values = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**6), 10**6))
+
+
+@given(
+    values=st.dictionaries(_names, _values, max_size=30),
+    source=st.sampled_from([None, *sorted(SOURCES)]),
+)
+def test_every_name_is_mapped_or_kept_never_lost(
+    values: dict[str, float], source: str | None
+) -> None:
+    try:
+        mapped = map_scalars(values, source)
+    except InputError as e:
+        assert e.field.startswith("scalars.")  # only a name given twice under two spellings
+        return
+    assert len(mapped.canonical) + len(mapped.unmapped) == len(values)
+    assert set(mapped.origin.values()) | set(mapped.unmapped) == set(values)
+    for target, name in mapped.origin.items():
+        v = values[name]
+        assert mapped.canonical[target] == (float(v) if math.isfinite(v) else None)
+    assert set(mapped.nonfinite) == {n for n, v in values.items() if not math.isfinite(v)}
