@@ -149,12 +149,14 @@ class TimwatchClient:
         last: int | None = None,
     ) -> dict[str, Any]:
         """The run's trainer scalars: ``{"steps": [...], "scalars": {name: [...]},
-        "sources": {name: source}}`` (``GET /v1/runs/{run}/scalars``)."""
+        "sources": {name: source}}`` (``GET /v1/runs/{run}/scalars/series``)."""
         params: dict[str, Any] = {"names": ",".join(names)} if names else {}
         for k, v in (("from_step", from_step), ("to_step", to_step), ("last", last)):
             if v is not None:
                 params[k] = v
-        return loads(self._check(self.http.get(f"/v1/runs/{run}/scalars", params=params)).content)
+        return loads(
+            self._check(self.http.get(f"/v1/runs/{run}/scalars/series", params=params)).content
+        )
 
     def post_scalars(
         self,

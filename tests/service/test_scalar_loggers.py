@@ -19,7 +19,7 @@ from timwatch.sidecar.tap import Tap
 
 def stored(server: ServerProc, run: str) -> dict[str, Any]:
     with server.client() as c:
-        res = c.get(f"/v1/runs/{run}/scalars")
+        res = c.get(f"/v1/runs/{run}/scalars/series")
     assert res.status_code == 200, res.text
     return dict(res.json())
 

@@ -44,14 +44,14 @@ def test_post_maps_stores_and_a_resent_step_counts_once(
         changed = post(c, "r", body).json()
         assert (changed["new"], changed["changed"], changed["replayed"]) == (0, 1, False)
         post(c, "r", {"step": 5, "scalars": {"grad_norm": 1.0, "mismatch_kl": 3e-3}})
-        hist = c.get("/v1/runs/r/scalars").json()
+        hist = c.get("/v1/runs/r/scalars/series").json()
         assert hist["steps"] == [3, 5]
         assert hist["scalars"]["grad_norm"] == [0.75, 1.0]
         assert hist["scalars"]["mismatch_kl"] == [2e-3, 3e-3]
         assert hist["scalars"]["learning_rate"] == [None, None]
         assert "timing/gen" not in hist["scalars"]
         assert hist["sources"]["mismatch_kl"] is None  # step 5 came with canonical names
-        last = c.get("/v1/runs/r/scalars", params={"names": "grad_norm", "last": 1}).json()
+        last = c.get("/v1/runs/r/scalars/series", params={"names": "grad_norm", "last": 1}).json()
         assert (last["steps"], last["scalars"]) == ([5], {"grad_norm": [1.0]})
         runs = c.get("/v1/runs").json()
         assert [r["run"] for r in runs["runs"]] == ["r"]
@@ -98,7 +98,7 @@ def test_bad_input_is_a_422_naming_the_field_and_counted(app: InProcessApp) -> N
         assert big.status_code == 413
         bad_run = post(c, "bad run!", {"step": 1, "scalars": {"loss": 1.0}})
         assert bad_run.status_code == 422
-        assert c.get("/v1/runs/r/scalars").status_code == 404  # nothing was stored
+        assert c.get("/v1/runs/r/scalars/series").status_code == 404  # nothing was stored
     counts = app.app.state.runs.scalar_rejected()
     assert counts == {"validation": len(BAD) + 2, "too_large": 1, "unauthorized": 0}
 
@@ -140,7 +140,7 @@ def test_tap_log_through_a_real_server_and_a_restarted_trainer(shared_server: Se
     stats = resumed.stats()
     assert (stats["sent"], stats["refused"], stats["invalid"]) == (2, 0, 0)
     with shared_server.client() as c:
-        hist = c.get(f"/v1/runs/{run}/scalars").json()
+        hist = c.get(f"/v1/runs/{run}/scalars/series").json()
     assert hist["steps"] == [0, 1, 2]
     assert hist["scalars"]["log_ratio_abs_mean"] == pytest.approx([1e-3, 2e-3, 3e-3])
     assert hist["scalars"]["reward_mean"] == pytest.approx([0.0, 0.1, 0.2])
@@ -303,4 +303,4 @@ def test_tap_log_counts_a_bad_dict_as_invalid_and_sends_nothing(shared_server: S
     stats = tap.stats()
     assert (stats["invalid"], stats["sent"], stats["refused"]) == (2, 1, 0)
     with shared_server.client() as c:
-        assert c.get(f"/v1/runs/{run}/scalars").json()["steps"] == [3]
+        assert c.get(f"/v1/runs/{run}/scalars/series").json()["steps"] == [3]

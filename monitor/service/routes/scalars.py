@@ -1,6 +1,7 @@
 """``POST /v1/runs/{run}/scalars`` (a trainer's per-step scalars, mapped onto timwatch's names by
 `timwatch.monitor.core.scalars`; needs the write token when one is set) and
-``GET /v1/runs/{run}/scalars`` (their history; the read token).
+``GET /v1/runs/{run}/scalars/series`` (their history; the read token; its own path, so
+that a method neither route takes answers 405 with the right ``Allow``).
 
 The body is JSON: ``{"step": int, "scalars": {name: number}, "source": framework or absent,
 "nonfinite": [names the sender had NaN or ±inf for]}``. Bad input is a 422 naming the field
@@ -27,6 +28,7 @@ from ...core.scalars import (
     check_step,
     map_scalars,
 )
+from .. import openapi_examples as ex
 from ..deps import RunsDep, StoreDep, require_read, require_write
 from ..ingest import TAP_DROPPED_HEADER, check_run, parse_tap_dropped
 from ..responses import json_response, split_list
@@ -95,6 +97,7 @@ def parse_body(raw: bytes) -> tuple[int, str | None, dict[str, Any]]:
     "/v1/runs/{run}/scalars",
     summary="Ingest one step's trainer scalars",
     description=_POST_DESCRIPTION,
+    responses=ex.SCALARS_POST_RESPONSES,
     dependencies=[Depends(require_write)],
 )
 async def post_scalars(
@@ -137,8 +140,9 @@ async def post_scalars(
 
 
 @router.get(
-    "/v1/runs/{run}/scalars",
+    "/v1/runs/{run}/scalars/series",
     summary="A run's trainer scalars by step",
+    responses=ex.SCALARS_GET_RESPONSES,
     dependencies=[Depends(require_read)],
 )
 def get_scalars(
