@@ -4,12 +4,17 @@ Every panel reads additive series (``rate`` of sums over counts, counters, histo
 summed over replicas before dividing, so it is exact when the batches of one step land on
 different replicas; the per-replica latest-step gauges are never read (a step spread over
 replicas makes them partial). The only gauges read are ``timwatch_step`` and
-``timwatch_last_batch_timestamp_seconds``, under ``max by (run)``, which is exact.
+``timwatch_last_batch_timestamp_seconds``, under ``max by (run)``, which is exact, and, in the
+*Trainer scalars* row, the ``timwatch_scalar_*`` gauges: the trainer's own logged numbers
+(``Tap.log``, ``POST /v1/runs/{run}/scalars``) as of the latest post, under
+``max by (run, source)`` (one post carries a step, so with one replica per run they are the
+run's latest values).
 """
 
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dashboard_b
+from grafana_foundation_sdk.builders import timeseries as timeseries_b
 
 from .common import (
     RUN,
@@ -22,7 +27,7 @@ from .common import (
     timeseries,
 )
 
-__all__ = ["UID", "build"]
+__all__ = ["UID", "build", "scalar"]
 
 UID = "timwatch-run"
 
@@ -69,9 +74,51 @@ def _gauge(metric: str) -> str:
     return f"max by (run) ({metric}{{{RUN}}})"
 
 
+def scalar(name: str) -> str:
+    """The latest value of trainer scalar `name` per run and source."""
+    return f"max by (run, source) (timwatch_scalar_{name}{{{RUN}}})"
+
+
+def _scalar_panel(
+    ids: IdAllocator, title: str, description: str, unit: str, names: list[str], width: int = 8
+) -> timeseries_b.Panel:
+    targets = [(scalar(n), "{{run}} " + n + " ({{source}})") for n in names]
+    return timeseries(ids, title, description, unit, targets, width=width)
+
+
+def _scalar_rows(dash: dashboard_b.Dashboard, ids: IdAllocator) -> dashboard_b.Dashboard:
+    panels = [
+        ("Mismatch from trainer scalars",
+         "The trainer's own mismatch numbers mapped onto timwatch's names (same formula as the "
+         "per-token series of that name, docs/reference/metrics.md); for runs that send "
+         "scalars instead of, or beside, per-token batches. Healthy: as the per-token panels.",
+         "short", ["mismatch_kl", "kl_k1", "log_ratio_abs_mean", "log_ratio_abs_max"]),
+        ("Trainer's own correction",
+         "Numbers the trainer's correction computes that timwatch does not: its applied "
+         "(truncated or masked) importance weight and the share of tokens it masked. Healthy: "
+         "weight ≈ 1, masked share < 1 %.",
+         "short", ["is_weight_mean", "correction_masked_fraction", "exp_abs_log_ratio_mean"]),
+        ("Reward", "Mean and std of the step's rewards as the trainer logs them. Healthy: "
+         "rising mean; a std of 0 leaves GRPO no signal.", "short", ["reward_mean", "reward_std"]),
+        ("Gradient norm and loss", "The actor's gradient norm and loss. Healthy: finite and "
+         "bounded; a spike together with a mismatch rise is the early warning of a collapse.",
+         "short", ["grad_norm", "loss"]),
+        ("Entropy and clip fraction", "Policy entropy as the trainer aggregates it and the share "
+         "of tokens the PPO clip was active on. Healthy: entropy falling slowly, clip fraction "
+         "< 0.2.", "short", ["entropy", "clip_fraction"]),
+        ("Response length and learning rate", "Mean and max response length (tokens) and the "
+         "actor's learning rate. Healthy: length stable or slowly growing, not pinned at the "
+         "maximum.", "short", ["response_length_mean", "response_length_max", "learning_rate"]),
+    ]  # fmt: skip
+    dash = dash.with_row(dashboard_b.Row("Trainer scalars").id(ids.next()))
+    for title, description, unit, names in panels:
+        dash = dash.with_panel(_scalar_panel(ids, title, description, unit, names))
+    return dash
+
+
 def build() -> dashboard_b.Dashboard:
     ids = IdAllocator()
-    return (
+    dash = (
         base_dashboard(
             "timwatch — Run overview",
             UID,
@@ -270,3 +317,4 @@ def build() -> dashboard_b.Dashboard:
             )
         )
     )
+    return _scalar_rows(dash, ids)

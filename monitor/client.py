@@ -139,6 +139,47 @@ class TimwatchClient:
         r = self._check(self.http.get(f"/v1/runs/{run}/metrics", params=params))
         return r.text if csv else loads(r.content)
 
+    def scalars(
+        self,
+        run: str,
+        names: Sequence[str] | None = None,
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        last: int | None = None,
+    ) -> dict[str, Any]:
+        """The run's trainer scalars: ``{"steps": [...], "scalars": {name: [...]},
+        "sources": {name: source}}`` (``GET /v1/runs/{run}/scalars/series``)."""
+        params: dict[str, Any] = {"names": ",".join(names)} if names else {}
+        for k, v in (("from_step", from_step), ("to_step", to_step), ("last", last)):
+            if v is not None:
+                params[k] = v
+        return loads(
+            self._check(self.http.get(f"/v1/runs/{run}/scalars/series", params=params)).content
+        )
+
+    def post_scalars(
+        self,
+        run: str,
+        step: int,
+        scalars: dict[str, float],
+        *,
+        source: str | None = None,
+        nonfinite: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """POST one step's trainer scalars (``POST /v1/runs/{run}/scalars``); the answer."""
+        body: dict[str, Any] = {"step": step, "scalars": scalars}
+        if source is not None:
+            body["source"] = source
+        if nonfinite:
+            body["nonfinite"] = list(nonfinite)
+        r = self.http.post(
+            f"/v1/runs/{run}/scalars",
+            content=dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
+        return loads(self._check(r).content)
+
     def report_html(
         self, run: str, *, from_step: int | None = None, to_step: int | None = None
     ) -> str:

@@ -5,7 +5,8 @@
 # pytest (e.g. `scripts/test.sh -k engine`).
 #
 #   scripts/test.sh --quick [pytest args]   the inner loop: linters, then the unit and service
-#                                           tiers only (no stack, no vLLM engine tier), installing
+#                                           tiers only, without their load tests (no stack, no
+#                                           `slow` load tests, no vLLM engine tier), installing
 #                                           only what those need (promtool, PostgreSQL, a compiler)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -114,7 +115,7 @@ phase "kernels compiled"
 # wait on subprocesses, Prometheus or PostgreSQL, and one worker leaves a core idle
 if [ "$QUICK" = 1 ]; then
   .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-2}" \
-    --dist loadfile -m "not vllm" tests/unit tests/service "$@"
+    --dist loadfile -m "not vllm and not slow" tests/unit tests/service "$@"
   phase "quick tier (unit + service) done"
   exit 0
 fi

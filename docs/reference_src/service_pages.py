@@ -48,7 +48,8 @@ def _client(root: Path) -> Iterator[Any]:
 
 
 def serve_once(root: Path) -> Served:
-    """Ingest examples/batch.json as run `example` and read /metrics and /openapi.json back."""
+    """Ingest examples/batch.json and one step of every canonical trainer scalar as run
+    `example` and read /metrics and /openapi.json back."""
     with _client(root) as client:
         body = (root / "examples" / "batch.json").read_bytes()
         answer = client.post(
@@ -56,6 +57,12 @@ def serve_once(root: Path) -> Served:
         )
         if answer.status_code != 200:
             raise ValueError(f"ingesting examples/batch.json answered {answer.status_code}")
+        from timwatch.monitor.core.scalars import CANONICAL
+
+        scalars = {"step": 1, "scalars": dict.fromkeys(CANONICAL, 0.5)}
+        if client.post("/v1/runs/example/scalars", json=scalars).status_code != 200:
+            raise ValueError("posting every canonical scalar failed")
+        client.post("/v1/runs/example/scalars", json={"step": -1})  # one refused post
         exposition = client.get("/metrics").text
         openapi = client.get("/openapi.json").json()
     return Served(exposition, openapi)

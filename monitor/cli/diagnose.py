@@ -57,6 +57,15 @@ def render_diagnosis(res: dict[str, Any], console: Console) -> None:
             )  # fmt: skip
     if ev.row_count:
         console.print(ev)
+    scalars = res.get("scalars")
+    if scalars:
+        names = ", ".join(f"{k}={_num(v)}" for k, v in scalars["last"].items())
+        console.print(
+            f"trainer scalars: {scalars['steps']} steps "
+            f"({_num(scalars['from_step'])}–{_num(scalars['to_step'])}) from "
+            f"{escape(', '.join(scalars['sources']))}; last: {escape(names)} "
+            "(the trainer's numbers, not read by the rules)"
+        )
     if res["not_checked"]:
         nc = Table("not checked", "reason")
         for n in res["not_checked"]:

@@ -134,8 +134,9 @@ def runs(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = Fals
 def query(
     run: RunArg,
     metric: Annotated[
-        list[str], typer.Option("--metric", "-m", help="metric name (repeat for several)")
-    ],
+        list[str] | None,
+        typer.Option("--metric", "-m", help="metric name (repeat for several)"),
+    ] = None,
     last: Annotated[
         int | None, typer.Option(help="only the last N steps (default: all)", show_default=False)
     ] = None,
@@ -146,10 +147,23 @@ def query(
         int | None, typer.Option(help="last step, inclusive (default: the last)")
     ] = None,
     csv: Annotated[bool, typer.Option("--csv", help="print CSV")] = False,
+    scalars: Annotated[
+        bool,
+        typer.Option(
+            "--scalars",
+            help="the trainer's own scalars (Tap.log, POST /v1/runs/RUN/scalars) by canonical "
+            "name instead of the per-token metrics; -m picks names (default: all stored)",
+        ),
+    ] = False,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
 ) -> None:
-    """Print metric series of RUN by step."""
+    """Print metric series of RUN by step (--scalars: the trainer's own scalars)."""
+    if scalars:
+        _query_scalars(run, metric, from_step, to_step, last, csv, url, token)
+        return
+    if not metric:
+        raise ConfigError("query: give --metric NAME (or --scalars for the trainer's scalars)")
     res = ask(
         url,
         token,
@@ -161,6 +175,39 @@ def query(
     t = Table("step", *(escape(m) for m in metric))
     for i, s in enumerate(res["steps"]):
         t.add_row(str(s), *(_fmt(res["series"][m][i]) for m in metric))
+    console.print(t)
+
+
+def _query_scalars(
+    run: str,
+    names: list[str] | None,
+    from_step: int | None,
+    to_step: int | None,
+    last: int | None,
+    csv: bool,
+    url: str,
+    token: str | None,
+) -> None:
+    res = ask(
+        url,
+        token,
+        lambda c: c.scalars(run, names, from_step=from_step, to_step=to_step, last=last),
+    )
+    cols = list(res["scalars"])
+    if csv:
+        lines = [",".join(["step", *cols])]
+        for i, s in enumerate(res["steps"]):
+            vals = (res["scalars"][n][i] for n in cols)
+            lines.append(",".join([str(s), *("" if v is None else repr(v) for v in vals)]))
+        sys.stdout.write("\n".join(lines) + "\n")
+        return
+    sources = sorted({v for v in res["sources"].values() if v}) or ["canonical names"]
+    t = Table(
+        "step", *(escape(n) for n in cols),
+        caption=f"trainer scalars of {escape(run)} (from: {escape(', '.join(sources))})",
+    )  # fmt: skip
+    for i, s in enumerate(res["steps"]):
+        t.add_row(str(s), *(_fmt(res["scalars"][n][i]) for n in cols))
     console.print(t)
 
 

@@ -66,6 +66,12 @@ class ReportData:
     worst_tokens: list[dict[str, Any]] = field(default_factory=list)
     diagnosis: dict[str, Any] | None = None
     diagnosis_note: str | None = None
+    #: the trainer's own scalars (``POST /v1/runs/{run}/scalars``) by canonical name:
+    #: (steps, values), downsampled like ``series``; and the source each came from
+    scalars: dict[str, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = field(
+        default_factory=dict
+    )
+    scalar_sources: dict[str, str | None] = field(default_factory=dict)
 
 
 def _floats(values: Any) -> np.ndarray[Any, Any]:
@@ -193,6 +199,12 @@ def gather(
     series = {name: downsample(steps, _floats(raw[name]), MAX_POINTS) for name in PLOT_SERIES}
     details = store.step_details(run, from_step=from_step, to_step=to_step, last=DETAIL_STEPS)
     merged = merge_details(details)
+    stored = store.query_scalars(run, from_step=from_step, to_step=to_step)
+    scalar_steps = np.asarray(stored["steps"], dtype=np.int64)
+    scalars = {
+        name: downsample(scalar_steps, _floats(values), MAX_POINTS)
+        for name, values in stored["scalars"].items()
+    }
     diagnosis, note = (
         diagnose(store, run, from_step, to_step) if with_diagnosis else (None, "not requested")
     )
@@ -207,5 +219,7 @@ def gather(
         detail_steps=[int(d["step"]) for d in details],
         diagnosis=diagnosis,
         diagnosis_note=note,
+        scalars=scalars,
+        scalar_sources=dict(stored["sources"]),
         **merged,
     )

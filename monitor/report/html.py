@@ -14,6 +14,7 @@ from typing import Any
 
 from ..core.masks import TOKEN_POLICIES
 from ..core.numfmt import sig3
+from ..core.scalars import CANONICAL, HEALTH
 from . import plots
 from .data import DETAIL_STEPS, MAX_POINTS, ReportData
 from .thresholds import MASK_POLICY_THRESHOLDS, SERIES_THRESHOLDS
@@ -167,6 +168,35 @@ def _plots(data: ReportData) -> str:
     )
 
 
+def _scalars(data: ReportData) -> str:
+    """The trainer's own scalars, by kind; says plainly they are the trainer's numbers."""
+    if not data.scalars:
+        return (
+            '<p class="note">no trainer scalars in this range '
+            "(Tap.log, POST /v1/runs/{run}/scalars)</p>"
+        )
+    sources = sorted({s for s in data.scalar_sources.values() if s}) or ["canonical names"]
+    out = [
+        f'<p class="note">These series came from the trainer\'s own logged scalars (source: '
+        f"{_e(', '.join(sources))}), mapped onto timwatch's names; timwatch did not compute them "
+        "from per-token data. A name of kind metric has the formula of the per-token series of "
+        "the same name (docs/reference/metrics.md).</p>"
+    ]
+    for kind, title in (
+        ("metric", "mismatch, from trainer scalars"),
+        ("correction", "the trainer's own correction numbers"),
+    ):
+        names = [n for n in data.scalars if CANONICAL[n].kind == kind]
+        if names:
+            cs = [(n, *data.scalars[n]) for n in names]
+            out.append(_img(plots.series_png(title, cs, []), title))
+    for name in HEALTH:
+        if name in data.scalars:
+            title = f"{name} (trainer health)"
+            out.append(_img(plots.series_png(title, [(name, *data.scalars[name])], []), title))
+    return "".join(out)
+
+
 def _details(data: ReportData) -> str:
     if not data.detail_steps:
         return '<p class="note">no step details in this range</p>'
@@ -244,10 +274,18 @@ def render(data: ReportData, *, token_text: TokenText = None, now: float | None 
         '<h2 id="diagnosis">Diagnosis</h2>',
         diagnosis_section(data.diagnosis, data.diagnosis_note),
         '<h2 id="series">Series</h2>',
+        (
+            '<p class="note">This run has no per-token batches in this range: its metrics came '
+            "from the trainer's scalars only (see Trainer scalars below).</p>"
+            if data.total_steps == 0 and data.scalars
+            else ""
+        ),
         f'<p class="note">Red lines: the alert thresholds of alerts/timwatch.rules.yml (the '
         f"alerts compare 10 to 30 min means, the plots show per-step values). Long ranges are "
         f"drawn as the min and max of {MAX_POINTS // 2} step buckets.</p>",
         _plots(data),
+        '<h2 id="scalars">Trainer scalars</h2>',
+        _scalars(data),
         '<h2 id="details">Step details</h2>',
         _details(data),
         '<h2 id="worst">Worst tokens</h2>',

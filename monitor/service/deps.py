@@ -92,6 +92,8 @@ async def require_write(request: Request, settings: SettingsDep) -> None:
     ``unauthorized``."""
     if settings.token and not _matches(_bearer(request), settings.token):
         reason = "unauthorized" if request.url.path.endswith("/batches") else None
+        if request.url.path.endswith("/scalars"):
+            request.app.state.runs.reject_scalars("unauthorized")
         raise ApiError(401, "unauthorized", reason=reason, headers={"WWW-Authenticate": "Bearer"})
 
 

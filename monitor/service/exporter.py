@@ -27,12 +27,14 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from .runs import REJECT_REASONS, RunRegistry, RunState
+from ..core.scalars import CANONICAL
+from .runs import REJECT_REASONS, SCALAR_REJECT_REASONS, RunRegistry, RunState, ScalarState
 
 __all__ = [
     "CONTENT_TYPE",
     "FLEET_EXACT_GAUGES",
     "PARTIAL_STEP_GAUGES",
+    "SCALAR_GAUGES",
     "TimwatchCollector",
     "make_registry",
     "render",
@@ -154,6 +156,11 @@ _GAUGES = (
 
 #: the latest-step gauges: per replica, partial when a step's batches land on several replicas
 PARTIAL_STEP_GAUGES = frozenset(name for name, _, _ in _GAUGES) | {"timwatch_mask_ratio"}
+#: the trainer-scalar gauges: the latest post this replica took for the run (a step's scalars
+#: arrive in one post, so with one replica, or one per run, they are the run's latest values)
+SCALAR_GAUGES = frozenset(
+    {"timwatch_scalar_step", *(f"timwatch_scalar_{name}" for name in CANONICAL)}
+)
 #: gauges whose ``max by (run)`` over replicas is the fleet-wide value
 FLEET_EXACT_GAUGES = frozenset(
     {"timwatch_step", "timwatch_last_batch_timestamp_seconds", "timwatch_run_finished"}
@@ -180,18 +187,28 @@ class TimwatchCollector(Collector):
         self.runs = runs
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.families(self.runs.snapshot(), self.runs.rejected())
+        yield from self.families(
+            self.runs.snapshot(), self.runs.rejected(), self.runs.scalar_states(),
+            self.runs.scalar_rejected(),
+        )  # fmt: skip
 
     def families(
-        self, states: list[RunState], rejected: Mapping[str, int] | None
+        self,
+        states: list[RunState],
+        rejected: Mapping[str, int] | None,
+        scalars: Iterable[ScalarState] = (),
+        scalar_rejected: Mapping[str, int] | None = None,
     ) -> Iterator[Metric]:
         """Every family, always in the same order, with the samples of `states` (in their
-        order) and, unless `rejected` is None, the run-less samples taken from it.
-        `timwatch.monitor.service.exposition` renders runs and run-less samples apart."""
+        order) and, unless `rejected` is None, the run-less samples taken from it; the
+        trainer-scalar families last, with the samples of `scalars` and `scalar_rejected`.
+        `timwatch.monitor.service.exposition` renders runs and run-less samples apart (the
+        scalar samples with the run-less ones: they are re-rendered on every scrape)."""
         yield from self._summaries(states)
         yield from self._counters(states, rejected)
         yield from self._histograms(states)
         yield from self._gauges(states)
+        yield from scalar_families(list(scalars), scalar_rejected)
 
     def _summaries(self, states: list[RunState]) -> Iterator[Metric]:
         for table, count in ((_SUMMARIES, "tokens"), (_SEQ_SUMMARIES, "sequences")):
@@ -314,6 +331,41 @@ class TimwatchCollector(Collector):
                     mask.add_metric([s.run, policy], x)
         yield mask
         yield ts
+
+
+def scalar_families(
+    states: list[ScalarState], rejected: Mapping[str, int] | None
+) -> Iterator[Metric]:
+    """``timwatch_scalar_<name>{run, source}`` for every canonical scalar name (only those:
+    the label and family sets stay bounded whatever trainers send), the step they are of, and
+    ``timwatch_rejected_scalar_posts_total{reason}``. A non-finite value has no sample."""
+    step = GaugeMetricFamily(
+        "timwatch_scalar_step",
+        "Training step of the latest trainer scalars (POST /v1/runs/{run}/scalars).",
+        labels=["run", "source"],
+    )
+    for st in states:
+        step.add_metric([st.run, st.source or ""], float(st.step))
+    yield step
+    for name, meaning in CANONICAL.items():
+        fam = GaugeMetricFamily(
+            f"timwatch_scalar_{name}",
+            f"Trainer scalar {name} ({meaning.kind}): {meaning.help}; latest step.",
+            labels=["run", "source"],
+        )
+        for st in states:
+            v = st.values.get(name)
+            if v is not None:
+                fam.add_metric([st.run, st.source or ""], v)
+        yield fam
+    refused = CounterMetricFamily(
+        "timwatch_rejected_scalar_posts",
+        f"Scalar posts refused, by reason ({', '.join(SCALAR_REJECT_REASONS)}).",
+        labels=["reason"],
+    )
+    for reason, n in (rejected or {}).items():
+        refused.add_metric([reason], float(n))
+    yield refused
 
 
 def make_registry(runs: RunRegistry) -> CollectorRegistry:

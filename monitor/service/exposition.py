@@ -85,7 +85,11 @@ class Exposition:
             live = {s.run for s in states}
             for gone in [r for r in self._cache if r not in live]:
                 del self._cache[gone]
-            tail = _samples(self._collector.families([], rejected))
+            tail = _samples(
+                self._collector.families(
+                    [], rejected, self.runs.scalar_states(), self.runs.scalar_rejected()
+                )
+            )
             out: list[bytes] = []
             for k, header in enumerate(self._headers):
                 out.append(header)

@@ -10,6 +10,8 @@ __all__ = [
     "BATCH_BODY",
     "ERROR_SCHEMA",
     "EVENTS_RESPONSES",
+    "SCALARS_GET_RESPONSES",
+    "SCALARS_POST_RESPONSES",
     "FINISH_DESCRIPTION",
     "FINISH_RESPONSES",
     "HEALTHZ_DESCRIPTION",
@@ -378,3 +380,49 @@ HEALTHZ_RESPONSES: dict[int | str, dict[str, Any]] = {
         },
     },
 }
+
+
+SCALARS_POST_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "What was stored: canonical names, unmapped names kept, non-finite ones "
+        "(stored as null), new and changed values; replayed when nothing changed.",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b", "step": 3, "source": "verl",
+                    "stored": ["grad_norm", "mismatch_kl"], "unmapped": ["timing_s/gen"],
+                    "unmapped_dropped": 0, "nonfinite": [], "new": 3, "changed": 0,
+                    "replayed": False,
+                }
+            }
+        },
+    },
+    401: error("Missing or wrong bearer token (writes need TIMWATCH_TOKEN).", "unauthorized"),
+    413: error("Body over 256 KiB.", "body exceeds 262144 bytes", field="body"),
+    422: error(
+        "A field is wrong (step, source, scalars, scalars.NAME, nonfinite[i]); nothing stored.",
+        "scalars.loss must be a number, got str",
+        field="scalars.loss",
+    ),
+    503: read_errors()[503],
+}  # fmt: skip
+
+SCALARS_GET_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Canonical scalars by step (null: not logged, or not finite) and the "
+        "source each came from.",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b", "steps": [3, 4],
+                    "scalars": {"grad_norm": [0.41, None], "mismatch_kl": [2e-3, 2.4e-3]},
+                    "sources": {"grad_norm": "verl", "mismatch_kl": "verl"},
+                }
+            }
+        },
+    },
+    404: error("Unknown run.", "run 'x' not found"),
+    422: error("A name that is not canonical, or a bad step range.",
+               "unknown scalar 'vllm_kl'; known: ...", field="names"),
+    **read_errors(),
+}  # fmt: skip

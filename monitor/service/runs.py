@@ -28,6 +28,8 @@ from .settings import DEFAULT_FINISH_GRACE, DEFAULT_RUN_TTL
 
 __all__ = [
     "REJECT_REASONS",
+    "SCALAR_REJECT_REASONS",
+    "ScalarState",
     "RunRegistry",
     "RunState",
 ]
@@ -38,6 +40,9 @@ __all__ = [
 REJECT_REASONS = (
     "validation", "too_large", "unauthorized", "store_unavailable", "conflict", "overloaded",
 )  # fmt: skip
+
+#: the fixed label set of refused scalar posts (``POST /v1/runs/{run}/scalars``)
+SCALAR_REJECT_REASONS = ("validation", "too_large", "unauthorized")
 
 
 @dataclass
@@ -57,6 +62,20 @@ class RunState:
 
 
 @dataclass
+class ScalarState:
+    """The latest scalars one run posted (``POST /v1/runs/{run}/scalars``): what the
+    exporter's ``timwatch_scalar_*`` gauges show. Evicted by the same TTL and finish grace as
+    `RunState`."""
+
+    run: str
+    step: int
+    source: str | None
+    values: dict[str, float | None]  # canonical name → value (None: non-finite)
+    last_seen: float  # the registry clock's monotonic time of the last accepted post
+    finished_m: float | None = None
+
+
+@dataclass
 class RunRegistry:
     """Thread-safe map run → RunState plus rejection counters; idle runs expire after ``ttl``,
     finished ones ``finish_grace`` after their finish, both by ``clock``.
@@ -70,6 +89,8 @@ class RunRegistry:
     clock: Clock = SYSTEM_CLOCK
     _runs: dict[str, RunState] = field(default_factory=dict)
     _rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_REASONS, 0))
+    _scalar_rejected: dict[str, int] = field(default_factory=dict)
+    _scalars: dict[str, ScalarState] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _clock: int = 0
 
@@ -143,9 +164,12 @@ class RunRegistry:
         Finishing again keeps the first time, so the grace is not extended."""
         now = self.clock.monotonic() if now is None else now
         with self._lock:
+            sc = self._scalars.get(run)
+            if sc is not None and sc.finished_m is None:
+                sc.finished_m = now
             cur = self._runs.get(run)
             if cur is None:
-                return False
+                return sc is not None
             if cur.finished_m is None:
                 cur.finished_m = now
                 self._clock += 1
@@ -189,11 +213,49 @@ class RunRegistry:
         with self._lock:
             self._rejected[reason] += 1
 
+    def observe_scalars(
+        self, run: str, step: int, source: str | None, mapped: Any, answer: dict[str, Any]
+    ) -> None:
+        """Keep the latest canonical scalars of `run` for the exporter: a later step replaces
+        them, the same step adds to them, an earlier one (a resumed trainer catching up) and a
+        replay change nothing but the idle clock."""
+        now = self.clock.monotonic()
+        with self._lock:
+            cur = self._scalars.get(run)
+            if cur is None or step > cur.step:
+                self._scalars[run] = ScalarState(run, step, source, dict(mapped.canonical), now)
+                return
+            cur.last_seen, cur.finished_m = now, None
+            if step == cur.step and not answer.get("replayed"):
+                cur.values.update(mapped.canonical)
+                cur.source = source
+
+    def scalar_states(self) -> list[ScalarState]:
+        """Copies of the live runs' latest scalars (expired ones evicted first), by run id."""
+        self.evict()
+        with self._lock:
+            return [
+                dataclasses.replace(s, values=dict(s.values))
+                for _, s in sorted(self._scalars.items())
+            ]
+
+    def reject_scalars(self, reason: str) -> None:
+        """Count a refused ``POST /v1/runs/{run}/scalars`` under `reason`
+        (`SCALAR_REJECT_REASONS`)."""
+        if reason not in SCALAR_REJECT_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        with self._lock:
+            self._scalar_rejected[reason] = self._scalar_rejected.get(reason, 0) + 1
+
+    def scalar_rejected(self) -> dict[str, int]:
+        with self._lock:
+            return {r: self._scalar_rejected.get(r, 0) for r in SCALAR_REJECT_REASONS}
+
     def rejected(self) -> dict[str, int]:
         with self._lock:
             return dict(self._rejected)
 
-    def _expired(self, s: RunState, now: float) -> bool:
+    def _expired(self, s: RunState | ScalarState, now: float) -> bool:
         if s.finished_m is not None and now - s.finished_m > self.finish_grace:
             return True
         return now - s.last_seen > self.ttl
@@ -206,6 +268,8 @@ class RunRegistry:
             gone = [r for r, s in self._runs.items() if self._expired(s, now)]
             for r in gone:
                 del self._runs[r]
+            for r in [r for r, s in self._scalars.items() if self._expired(s, now)]:
+                del self._scalars[r]
         return gone
 
     def snapshot(self) -> list[RunState]:

@@ -37,6 +37,7 @@ __all__ = [
     "Event",
     "ReplicaTotals",
     "Run",
+    "StepScalar",
     "Step",
     "StepDetail",
     "series_table",
@@ -221,3 +222,23 @@ class ReplicaTotals(Base):
     step: Mapped[int] = mapped_column(BigInteger)  # the highest step it stored a batch of
     tap_dropped: Mapped[int] = mapped_column(BigInteger)  # drops reported with those batches
     updated_at: Mapped[float] = mapped_column(Double)  # wall time of its last batch
+
+
+class StepScalar(Base):
+    """One scalar a trainer logged for one step (``POST /v1/runs/{run}/scalars``, migration
+    0007): ``kind`` is the canonical kind (`timwatch.monitor.core.scalars.KINDS`) or
+    ``unmapped`` (then ``name`` is the trainer's own name); ``value`` NULL means the trainer
+    logged a non-finite number. A step sent again overwrites its values: never counted twice."""
+
+    __tablename__ = "step_scalars"
+
+    run_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    value: Mapped[float | None] = mapped_column(Double, nullable=True)
+    source: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    origin: Mapped[str] = mapped_column(String(128))  # the name the trainer logged
+    updated_at: Mapped[float] = mapped_column(Double)

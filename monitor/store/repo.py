@@ -28,6 +28,7 @@ from .models import (
     Event,
     Run,
 )
+from .scalars import read_scalars, write_scalars
 from .series import SeriesMismatch, jsonable, read_series
 from .totals import SeedRow, Tally, seed_rows
 from .writes import finish_run, flatten_row, replay_of, write_new_batch
@@ -150,6 +151,46 @@ class Store:
 
         with self.health.recording("write"):
             return self._guard(go)
+
+    def record_scalars(
+        self, run: str, step: int, source: str | None, mapped: Any, now: float | None = None
+    ) -> dict[str, Any]:
+        """Store one step's mapped scalars (`store.scalars.write_scalars`) in one transaction;
+        the answer (``replayed``: nothing changed)."""
+
+        def go() -> dict[str, Any]:
+            for attempt in range(_RETRIES):
+                ts = time.time() if now is None else now
+                try:
+                    with self._writing(), self._writer.begin() as conn:
+                        return write_scalars(conn, run, step, source, mapped, ts)
+                except IntegrityError:
+                    if attempt == _RETRIES - 1:
+                        raise
+                    time.sleep(0.001 * (attempt + 1))
+            raise AssertionError("unreachable")
+
+        with self.health.recording("write"):
+            return cast(dict[str, Any], self._guard(go))
+
+    def query_scalars(
+        self,
+        run: str,
+        names: Sequence[str] | None = None,
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        last: int | None = None,
+    ) -> dict[str, Any]:
+        """`store.scalars.read_scalars` of `run`."""
+        return cast(
+            dict[str, Any],
+            self._read(
+                lambda c: read_scalars(
+                    c, run, names, from_step=from_step, to_step=to_step, last=last
+                )
+            ),
+        )
 
     def replica_seed(self, replica_id: str, since: float) -> list[SeedRow]:
         """`replica_id`'s run totals with a batch at or after wall time `since`."""

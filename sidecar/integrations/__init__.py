@@ -1,9 +1,10 @@
-"""Plug-ins for RL training frameworks (verl, slime, TRL).
+"""Plug-ins for RL training frameworks (verl, slime, TRL) and hooks into their loggers
+(`loggers`).
 
-Each submodule imports torch and is meant to be imported by the trainer process only; none of
-them needs its framework installed to be imported. `verl` (the entry module) also registers the
-loss and installs `verl_hooks` when verl is installed; `verl_loss` holds the loss side. Importing
-this package itself imports nothing heavy.
+Each framework plug-in imports torch (`loggers` does not) and is meant to be imported by the
+trainer process only; none of them needs its framework installed to be imported. `verl` (the
+entry module) also registers the loss and installs `verl_hooks` when verl is installed;
+`verl_loss` holds the loss side. Importing this package itself imports nothing heavy.
 """
 
 __all__: list[str] = []

@@ -20,6 +20,7 @@ POSTs ``/v1/runs/{run}/finish`` unless ``finish=False``; a failed finish is logg
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import random
 import threading
@@ -29,6 +30,8 @@ from typing import Any
 
 from ...monitor.core.batch import Batch, BatchError
 from ...monitor.core.clock import SYSTEM_CLOCK, Clock
+from ...monitor.core.errors import InputError
+from ...monitor.core.scalars import check_source, map_scalars, to_float
 from .pool import BufferPool
 from .poster import Poster, post_finish
 from .queue import DropLog, DropQueue, Item
@@ -41,6 +44,8 @@ __all__ = ["DROPPED_HEADER", "Tap"]
 log = logging.getLogger("timwatch.tap")
 
 SAFETENSORS = "application/x-safetensors"
+JSON = "application/json"
+_SCALAR_ITEM_BYTES = 256  # queue budget charged per logged scalar
 #: header of a batch POST: batches this tap lost since the monitor last accepted a POST of it
 DROPPED_HEADER = "Timwatch-Tap-Dropped"
 _HEADER_MAX = 2**31
@@ -195,6 +200,53 @@ class Tap:
             self._log_once("report-error", "timwatch tap.report failed: %s", exc)
             return False
 
+    def log(self, step: int, scalars: Any, *, source: str | None = None) -> bool:
+        """Enqueue one step's scalars from the trainer's own logs (``{name: number}``: Python
+        numbers, numpy scalars, torch 0-d tensors) to ``POST /v1/runs/{run}/scalars``, named
+        as `source` logs them (`timwatch.monitor.core.scalars.SOURCES`; None: timwatch's
+        canonical names); True if queued. Never raises; a tensor on a device is copied to the
+        host with ``non_blocking=True`` and read on the shipper thread, after its event.
+
+        Same queue, drop and retry rules as `report`. Sending a step again (a retry, a resumed
+        trainer) overwrites its stored values: nothing is counted twice."""
+        try:
+            self._touched = True
+            if self._closed:
+                return False
+            check_source(source)
+            values: dict[str, Any] = {}
+            moved = False
+            for name, value in dict(scalars).items():
+                device = getattr(getattr(value, "device", None), "type", "cpu")
+                if device != "cpu" and hasattr(value, "detach"):
+                    value = value.detach().to("cpu", non_blocking=True)
+                    moved = True
+                values[name] = value
+            event = _cuda_event_if_pending(values) if moved else None
+            meta = {"scalars": values, "source": source}
+            item = Item(int(step), None, meta, {}, _SCALAR_ITEM_BYTES * (len(values) + 1), event)
+            return self._enqueue(item)
+        except Exception as exc:  # noqa: BLE001 - the tap must never break training
+            self._stats.errors += 1
+            self._stats.last_error = f"log: {type(exc).__name__}: {exc}"
+            self._log_once("log-error", "timwatch tap.log failed: %s", exc)
+            return False
+
+    def _enqueue(self, item: Item) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            evicted = self._queue.put(item)
+            queued = not evicted or evicted[-1] is not item
+            if queued:
+                self._stats.reported += 1
+                self._cond.notify()
+        if evicted:
+            for old in evicted:
+                self._pool.give(old.buffers)
+            self._dropped(len(evicted), oversized=not queued)
+        return queued
+
     def _dropped(self, n: int, oversized: bool) -> None:
         """Count `n` dropped batches (one too large to queue if `oversized`) and maybe warn."""
         with self._cond:
@@ -320,6 +372,28 @@ class Tap:
             self._stats.failed += 1
             self._stats.unreported_drops += 1
 
+    def _encode_scalars(self, item: Item) -> bytes | None:
+        if item.event is not None:
+            item.event.synchronize()
+        source = item.meta["source"]
+        try:
+            mapped = map_scalars(item.meta["scalars"], source)
+        except InputError as exc:
+            self._stats.invalid += 1
+            self._stats.last_error = f"invalid scalars at step {item.step}: {exc}"
+            self._log_once(
+                "invalid-scalars", "timwatch tap: scalars of step %s not sent: %s", item.step, exc
+            )
+            return None
+        bad = set(mapped.nonfinite)
+        finite = {name: to_float(v) for name, v in item.meta["scalars"].items() if name not in bad}
+        body: dict[str, Any] = {"step": item.step, "scalars": finite}
+        if source is not None:
+            body["source"] = source
+        if bad:
+            body["nonfinite"] = mapped.nonfinite
+        return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
+
     def _encode(self, item: Item) -> tuple[Body, int, str] | None:
         if item.event is not None:
             item.event.synchronize()
@@ -338,17 +412,25 @@ class Tap:
         return body, length, batch_id
 
     def _ship(self, item: Item) -> None:
-        encoded = self._encode(item)
-        if encoded is None:
-            return
-        body, _length, batch_id = encoded
-        target = f"/v1/runs/{self.run}/batches"
+        if "scalars" in item.meta:
+            raw = self._encode_scalars(item)
+            if raw is None:
+                return
+            body: Body = [raw]
+            batch_id, ctype = f"scalars of step {item.step}", JSON
+            target = f"/v1/runs/{self.run}/scalars"
+        else:
+            encoded = self._encode(item)
+            if encoded is None:
+                return
+            body, _length, batch_id = encoded
+            ctype, target = SAFETENSORS, f"/v1/runs/{self.run}/batches"
         attempt = 0
         while True:
             wait: float | None = None
             with self._cond:
                 lost = min(self._stats.unreported_drops, _HEADER_MAX)
-            headers = {"Content-Type": SAFETENSORS}
+            headers = {"Content-Type": ctype}
             if lost:
                 headers[DROPPED_HEADER] = str(lost)
             try:
@@ -371,7 +453,7 @@ class Tap:
                     st.last_error = reason
                     self._log_once(
                         f"refused-{resp.status}",
-                        "timwatch tap: monitor refused batch %s (%s); not retried",
+                        "timwatch tap: monitor refused %s (%s); not retried",
                         batch_id,
                         reason,
                     )
@@ -390,3 +472,15 @@ class Tap:
             if self._clock.wait(self._stop, delay):
                 self._gave_up()
                 return
+
+
+def _cuda_event_if_pending(values: dict[str, Any]) -> Any:
+    """A CUDA event after the asynchronous copies of `values`' pinned tensors, or None."""
+    pending = [v for v in values.values() if getattr(v, "is_pinned", lambda: False)()]
+    if not pending:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -57,9 +57,21 @@ VERL_SUMMARIES = [
 # run lifecycle and tap losses (issue 9): exported, read by the alert rules, not on the dashboards
 LIFECYCLE_COUNTERS = ["timwatch_tap_dropped_batches_total"]
 LIFECYCLE_GAUGES = ["timwatch_run_finished"]
+# the trainer's own scalars (issue 33), latest post per replica, under max by (run, source):
+# the ones the run dashboard reads (the exporter has one family per canonical name)
+SCALAR_GAUGES = [
+    *(f"timwatch_scalar_{n}" for n in (
+        "mismatch_kl", "kl_k1", "log_ratio_abs_mean", "log_ratio_abs_max", "is_weight_mean",
+        "correction_masked_fraction", "exp_abs_log_ratio_mean", "reward_mean", "reward_std",
+        "grad_norm", "loss", "entropy", "clip_fraction", "response_length_mean",
+        "response_length_max", "learning_rate",
+    )),
+]  # fmt: skip
+SCALAR_COUNTERS = ["timwatch_rejected_scalar_posts_total"]
 # every exposed series name -> its metric family (summaries and histograms expand)
 FAMILY_OF = (
     {c: c for c in COUNTERS + GAUGES + PARTIAL_STEP_GAUGES + VERL_COUNTERS}
+    | {c: c for c in SCALAR_GAUGES + SCALAR_COUNTERS + ["timwatch_scalar_step"]}
     | {c: c for c in LIFECYCLE_COUNTERS + LIFECYCLE_GAUGES}
     | {f"{s}{suffix}": s for s in SUMMARIES + VERL_SUMMARIES for suffix in ("_sum", "_count")}
     | {f"{h}{suffix}": h for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}

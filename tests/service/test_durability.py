@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.helpers.batches import RawBatch
 from tests.helpers.procs import ServerProc
@@ -117,9 +118,11 @@ def _kill9_under_producers(srv: ServerProc) -> None:
             assert step["row"]["tokens"] == tokens
 
 
+@pytest.mark.slow  # a load test: the full suite runs it, the quick tier does not
 def test_sqlite_kill9_under_32_producers(server_factory: Any) -> None:
     _kill9_under_producers(server_factory())
 
 
+@pytest.mark.slow  # a load test: the full suite runs it, the quick tier does not
 def test_postgres_kill9_under_32_producers(server_factory: Any, pg_url: str) -> None:
     _kill9_under_producers(server_factory(db=pg_url))

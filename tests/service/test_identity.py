@@ -176,7 +176,7 @@ def test_migration_0004_keeps_old_rows_and_a_null_digest_replays(db_url: str) ->
     store = Store(db_url)  # upgrades to head
     try:
         with store.engine.connect() as conn:
-            assert MigrationContext.configure(conn).get_current_revision() == "0006"
+            assert MigrationContext.configure(conn).get_current_revision() == "0007"
             assert conn.execute(select(BatchRecord.__table__.c.digest)).scalars().all() == [None]
         assert store.count_batches("old") == 1
         assert store.list_runs()[0]["tags"] == {"team": "rl"}
@@ -211,7 +211,7 @@ def test_migration_0005_gives_old_steps_zero_impossible_tokens(db_url: str) -> N
     store = Store(db_url)  # upgrades to head
     try:
         with store.engine.connect() as conn:
-            assert MigrationContext.configure(conn).get_current_revision() == "0006"
+            assert MigrationContext.configure(conn).get_current_revision() == "0007"
         # before 0005 a -inf log-prob was refused: every stored step had none
         assert stored["step_row"]["impossible_tokens"] == 0
         assert store.get_step("old", 1)["row"] == stored["step_row"]  # type: ignore[index]

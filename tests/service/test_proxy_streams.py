@@ -271,6 +271,7 @@ def test_an_upstream_connection_its_reader_paused_goes_back_to_the_pool_reading(
         assert len(set(up.conns)) == 1  # the second request went out on the same connection
 
 
+@pytest.mark.slow  # a load test: the full suite runs it, the quick tier does not
 def test_cumulative_streams_at_engine_speed_are_relayed_whole_one_after_another() -> None:
     """Eight 4,096-token cumulative streams (339 MB each) from the fast stand-in, read at full
     speed: the client's socket fills and drains thousands of times, and a drain can land

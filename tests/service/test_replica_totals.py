@@ -211,12 +211,14 @@ def _kill_and_check(db: str, tmp: Path, kill_after: int, via_env: bool = False) 
             s.stop()
 
 
+@pytest.mark.slow  # a load test: the full suite runs it, the quick tier does not
 @pytest.mark.postgres
 def test_pg_replica_killed_mid_load_restarts_with_its_counters(tmp_path: Path) -> None:
     with fresh_database("totals") as db:
         _kill_and_check(db, tmp_path, kill_after=len(RUNS) * THREADS * PER_THREAD // 3)
 
 
+@pytest.mark.slow  # a load test: the full suite runs it, the quick tier does not
 def test_sqlite_replica_killed_mid_load_restarts_with_its_counters(tmp_path: Path) -> None:
     _kill_and_check(f"sqlite:///{tmp_path / 'tw.db'}", tmp_path,
                     kill_after=len(RUNS) * THREADS * PER_THREAD // 3, via_env=True)  # fmt: skip

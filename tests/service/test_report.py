@@ -128,6 +128,7 @@ def test_cli_writes_the_served_page(
     assert lone.returncode != 0 and "go with --html" in lone.stdout + lone.stderr
 
 
+@pytest.mark.slow  # a load test: the full suite runs it, the quick tier does not
 @pytest.mark.timeout(900)  # 10k ingests: minutes when the machine is busy
 def test_report_of_a_10k_step_run_is_under_5_mb(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'long.db'}", sqlite_synchronous="OFF")

@@ -60,12 +60,13 @@ def test_migrations_create_schema_and_are_rerunnable(db_url: str) -> None:
         "events",
         "series_chunks",
         "replica_totals",
+        "step_scalars",
         "alembic_version",
     } <= tables
     cols = {c["name"] for c in inspect(s.engine).get_columns("steps")}
     assert set(METRIC_COLUMNS) <= cols
     with s.engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == "0006"
+        assert MigrationContext.configure(conn).get_current_revision() == "0007"
     s.close()
 
 

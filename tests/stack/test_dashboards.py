@@ -23,7 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `dashboards/` is a top-level directory, not an installed package
     sys.path.insert(0, str(ROOT))
 
-from tests.helpers.names import COUNTERS, FAMILY_OF, GAUGES, HISTOGRAMS, SUMMARIES  # noqa: E402
+from tests.helpers.names import (  # noqa: E402
+    COUNTERS,
+    FAMILY_OF,
+    GAUGES,
+    HISTOGRAMS,
+    SCALAR_GAUGES,
+    SUMMARIES,
+)
 from tests.helpers.procs import free_port  # noqa: E402
 from timwatch.dashboards import iter_panel_queries, load_dashboards, queries, substitute  # noqa: E402
 
@@ -132,7 +139,7 @@ def test_queries_use_only_spec_metrics_and_cover_all_of_them(
                         assert "run" not in sel, t["expr"]
                     else:
                         assert sel.startswith('{run=~"$run"'), t["expr"]
-    assert used_families == set(COUNTERS + GAUGES + SUMMARIES + HISTOGRAMS)
+    assert used_families == set(COUNTERS + GAUGES + SUMMARIES + HISTOGRAMS + SCALAR_GAUGES)
 
 
 def test_specific_panels(dashboards: list[dict[str, Any]]) -> None:
@@ -281,3 +288,60 @@ def test_grafana_provisioning_files() -> None:
     assert f"./dashboards:{path}:ro" in readme
     assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in readme
     assert {p.stem for p in DASHBOARD_DIR.glob("*.json")} == UIDS
+
+
+def test_scalar_panels_show_a_scalars_only_run_through_a_real_prometheus(
+    tmp_path: Path, server_factory: Any
+) -> None:
+    """A real `timwatch serve` holding only trainer scalars, scraped by a real Prometheus: every
+    query of the run dashboard's Trainer scalars row answers the posted values."""
+    from tests.helpers.stack import Proc, wait_for
+    from timwatch.monitor.client import TimwatchClient
+
+    server = server_factory()
+    with TimwatchClient(server.url) as c:
+        c.post_scalars("sc-only", 3, {"actor/grad_norm": 0.75, "rollout_corr/k3_kl": 2e-3,
+                       "critic/score/mean": 0.5, "actor/pg_loss": -0.1}, source="verl")  # fmt: skip
+    binary = shutil.which("prometheus")
+    assert binary, "the Debian 'prometheus' package must be installed"
+    port = free_port()
+    target = server.url.removeprefix("http://")
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+        f"  - job_name: timwatch\n    static_configs:\n      - targets: ['{target}']\n"
+    )
+    prom = Proc(
+        "prometheus",
+        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        tmp_path / "prometheus.log",
+        f"http://127.0.0.1:{port}/-/ready",
+    ).start()  # fmt: skip
+    try:
+        listed = [
+            (title, expr)
+            for uid, title, expr in queries(DASHBOARD_DIR, run="sc-only", rate_interval="1m")
+            if uid == "timwatch-run" and "timwatch_scalar_" in expr
+        ]
+        assert len(listed) == 16
+
+        def answers(expr: str) -> list[dict[str, Any]]:
+            r = httpx.get(f"http://127.0.0.1:{port}/api/v1/query", params={"query": expr})
+            assert r.status_code == 200, r.text
+            return list(r.json()["data"]["result"])
+
+        grad = 'max by (run, source) (timwatch_scalar_grad_norm{run=~"sc-only"})'
+        done, got = wait_for(lambda: (bool(a := answers(grad)), a), timeout=30, interval=0.5)
+        assert done, prom.tail()
+        assert got[0]["metric"] == {"run": "sc-only", "source": "verl"}
+        assert float(got[0]["value"][1]) == 0.75
+        expected = {"grad_norm": 0.75, "mismatch_kl": 2e-3, "reward_mean": 0.5, "loss": -0.1}
+        for title, expr in listed:
+            name = expr.split("timwatch_scalar_")[1].split("{")[0]
+            result = answers(expr)
+            if name in expected:
+                assert [float(x["value"][1]) for x in result] == [expected[name]], title
+            else:
+                assert result == [], (title, expr)  # not posted: no series, never a 0
+    finally:
+        prom.stop()

@@ -254,7 +254,7 @@ def test_contract_ranking_and_json() -> None:
     series = make(staleness_kl=flat(2e-4), discrepancy_kl=flat(5e-4), mismatch_kl=flat(7e-4),
                   entropy_delta_corr=flat(0.1), noise_scale=[math.nan] * N)  # fmt: skip
     d = diagnose(series).to_dict()
-    assert set(d) == {"run", "from_step", "to_step", "steps", "causes", "not_checked"}
+    assert set(d) == {"run", "from_step", "to_step", "steps", "causes", "not_checked", "scalars"}
     assert (d["run"], d["from_step"], d["to_step"], d["steps"]) == ("r", 0, N - 1, N)
     got = [c["cause"] for c in d["causes"]] + [n["cause"] for n in d["not_checked"]]
     assert sorted(got) == sorted(CAUSES)

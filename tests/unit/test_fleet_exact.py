@@ -20,6 +20,7 @@ from timwatch.dashboards import queries
 from timwatch.monitor.service.exporter import (
     FLEET_EXACT_GAUGES,
     PARTIAL_STEP_GAUGES,
+    SCALAR_GAUGES,
     TimwatchCollector,
 )
 from timwatch.monitor.service.runs import RunRegistry
@@ -66,8 +67,9 @@ def problems(expr: str) -> list[str]:
 def test_every_exported_gauge_is_classified() -> None:
     families = TimwatchCollector(RunRegistry()).families([], {})
     gauges = {f.name for f in families if isinstance(f, GaugeMetricFamily)}
-    assert gauges == PARTIAL_STEP_GAUGES | FLEET_EXACT_GAUGES
+    assert gauges == PARTIAL_STEP_GAUGES | FLEET_EXACT_GAUGES | SCALAR_GAUGES
     assert not PARTIAL_STEP_GAUGES & FLEET_EXACT_GAUGES
+    assert not SCALAR_GAUGES & (PARTIAL_STEP_GAUGES | FLEET_EXACT_GAUGES)
 
 
 def test_the_walk_sees_every_rule_and_panel() -> None:
