@@ -110,7 +110,8 @@ def test_every_step_is_stored_once_with_vllms_mu(runs: dict[str, Run]) -> None:
         assert r.steps == steps == sorted(r.logs.logs), dtype
         assert r.pushed == list(range(n))  # weights pushed before each step's generation
         stats = r.tap.stats()
-        assert (stats["reported"], stats["sent"], stats["dropped"]) == (n, n, 0)
+        # a batch and TRL's logs (forwarded by the callback) per step
+        assert (stats["reported"], stats["sent"], stats["dropped"]) == (2 * n, 2 * n, 0)
         assert r.series["tokens"] == [PER_STEP * NEW] * n  # exactly NEW per completion
         assert r.series["sequences"] == [PER_STEP] * n
         for i, step in enumerate(steps):

@@ -7,7 +7,8 @@ With its own generation TRL keeps no sampling log-probs, so there is no μ: the 
 logs no ``sampling/*`` metrics. What is checked is the rest: every optimizer step is in the
 history once, under TRL's global step, with the completion tokens TRL trained on (from TRL's own
 logged completion lengths) and the entropy it logged; each stored row equals the float64
-reference (`tests.helpers.reference`) of the batch the tap sent.
+reference (`tests.helpers.reference`) of the batch the tap sent; TRL's own logs, forwarded by
+`TimwatchCallback` through `Tap.log`, are stored under the same steps as TRL logged them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ from tests.helpers.wire import fresh_run
 
 STEPS = 3
 NAMES = "tokens,sequences,mismatch_kl,log_ratio_abs_max,entropy_mean,policy_version"
+#: TRL's logged names → the canonical scalar names the callback's logs are stored under
+FORWARDED = {
+    "reward": "reward_mean",
+    "reward_std": "reward_std",
+    "entropy": "entropy",
+    "grad_norm": "grad_norm",
+    "loss": "loss",
+    "learning_rate": "learning_rate",
+    "completions/mean_length": "response_length_mean",
+}
+SCALARS = ",".join(FORWARDED.values())
 
 
 def test_trl_own_generation_reports_every_step_with_its_tokens(
@@ -41,9 +53,11 @@ def test_trl_own_generation_reports_every_step_with_its_tokens(
     _, capture = train(model, tap, tmp_path / "out", steps=STEPS)
     assert tap.close(60)
     stats = tap.stats()
-    assert (stats["reported"], stats["sent"], stats["dropped"]) == (STEPS, STEPS, 0)
+    # a batch and TRL's logs per step (the end-of-training summary is not forwarded)
+    assert (stats["reported"], stats["sent"], stats["dropped"]) == (2 * STEPS, 2 * STEPS, 0)
     with shared_server.client() as c:
         res = c.get(f"/v1/runs/{run}/metrics", params={"names": NAMES}).json()
+        scalars = c.get(f"/v1/runs/{run}/scalars/series", params={"names": SCALARS}).json()
     steps = list(range(1, STEPS + 1))
     assert res["steps"] == steps == sorted(capture.logs) == sorted(tap.sent)
     s = res["series"]
@@ -60,3 +74,8 @@ def test_trl_own_generation_reports_every_step_with_its_tokens(
         assert s["entropy_mean"][i] == pytest.approx(want["entropy_mean"], rel=1e-9)
         # TRL's logged entropy is its training forward's (float32, same weights and tokens)
         assert s["entropy_mean"][i] == pytest.approx(logs["entropy"], rel=1e-5)
+    # TRL's own logs, forwarded by the callback under the same steps, stored as TRL logged them
+    assert scalars["steps"] == steps
+    for theirs, ours in FORWARDED.items():
+        assert scalars["scalars"][ours] == [capture.logs[k][theirs] for k in steps], theirs
+        assert scalars["sources"][ours] == "trl"
