@@ -131,7 +131,8 @@ class TimwatchGRPOMixin:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         parent: Any = super()
         seen = self._timwatch_forwards
-        if seen is None or torch.is_grad_enabled():
+        this: Any = self
+        if seen is None or torch.is_grad_enabled() or model is not this.model:  # not a ref model
             return parent._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 *args, **kwargs,
