@@ -123,8 +123,10 @@ def runs(url: UrlOpt = DEFAULT_URL, token: TokenOpt = None, json: JsonOpt = Fals
     t = Table("run", "steps", "last step", "first seen (UTC)", "last seen (UTC)", "tags")
     for r in items:
         tags = ", ".join(f"{k}={v}" for k, v in (r.get("tags") or {}).items())
+        scalar_steps = r.get("scalar_steps") or 0
+        steps = str(r["steps"]) + (f" +{scalar_steps} scalar" if scalar_steps else "")
         t.add_row(
-            escape(r["run"]), str(r["steps"]), _fmt(r["last_step"]), _when(r["first_seen"]),
+            escape(r["run"]), steps, _fmt(r["last_step"]), _when(r["first_seen"]),
             _when(r["last_seen"]), escape(tags),
         )  # fmt: skip
     console.print(t)
@@ -163,7 +165,10 @@ def query(
         _query_scalars(run, metric, from_step, to_step, last, csv, url, token)
         return
     if not metric:
-        raise ConfigError("query: give --metric NAME (or --scalars for the trainer's scalars)")
+        raise ConfigError(
+            "missing option --metric NAME (or --scalars for the trainer's scalars); "
+            "see timwatch query --help"
+        )
     res = ask(
         url,
         token,

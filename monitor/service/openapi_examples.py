@@ -239,6 +239,7 @@ RUNS_RESPONSES: dict[int | str, dict[str, Any]] = {
                             "last_seen": 1764403600.0,
                             "last_step": 812,
                             "steps": 813,
+                            "scalar_steps": 813,
                             "tags": {"model": "qwen3-8b"},
                             "finished_at": None,
                         }

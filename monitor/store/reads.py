@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from sqlalchemy import Connection, Table, func, select
 
-from .models import BatchRecord, Event, Run, StepDetail, steps_table
+from .models import BatchRecord, Event, Run, StepDetail, StepScalar, steps_table
 
 __all__ = [
     "count_batches",
@@ -29,18 +29,31 @@ _runs = cast(Table, Run.__table__)
 _details = cast(Table, StepDetail.__table__)
 _batches = cast(Table, BatchRecord.__table__)
 _events = cast(Table, Event.__table__)
+_scalars = cast(Table, StepScalar.__table__)
 
 
 def list_runs(conn: Connection) -> list[dict[str, Any]]:
-    """Every run with its step count, most recently seen first."""
+    """Every run with its step count (steps with per-token batches) and its scalar step count
+    (steps with trainer scalars), most recently seen first."""
     counts = (
         select(steps_table.c.run_id, func.count().label("steps"))
         .group_by(steps_table.c.run_id)
         .subquery()
     )
+    sc = _scalars.c
+    scalar_counts = (
+        select(sc.run_id, func.count(func.distinct(sc.step)).label("scalar_steps"))
+        .group_by(sc.run_id)
+        .subquery()
+    )
     stmt = (
-        select(_runs, func.coalesce(counts.c.steps, 0).label("steps"))
+        select(
+            _runs,
+            func.coalesce(counts.c.steps, 0).label("steps"),
+            func.coalesce(scalar_counts.c.scalar_steps, 0).label("scalar_steps"),
+        )
         .outerjoin(counts, counts.c.run_id == _runs.c.id)
+        .outerjoin(scalar_counts, scalar_counts.c.run_id == _runs.c.id)
         .order_by(_runs.c.last_seen.desc())
     )
     return [
@@ -50,6 +63,7 @@ def list_runs(conn: Connection) -> list[dict[str, Any]]:
             "last_seen": r.last_seen,
             "last_step": r.last_step,
             "steps": int(r.steps),
+            "scalar_steps": int(r.scalar_steps),
             "tags": r.tags or {},
             "finished_at": r.finished_at,
         }
