@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import diagnosis, history, ingest, masks, ops, report
+from . import diagnosis, guard, history, ingest, masks, ops, report
 
 __all__ = ["ROUTERS"]
 
 ROUTERS: tuple[APIRouter, ...] = (
     ingest.router, masks.router, history.router, diagnosis.router, report.router,
-    ops.router,
+    ops.router, guard.router,
 )  # fmt: skip
