@@ -19,10 +19,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
-from ...monitor.core.errors import RunPaged
+from ...monitor.core.errors import ConfigError, RunPaged
 from ...monitor.core.page import PAGE_HEADER, Page, parse_page
 
-__all__ = ["Guard", "MarkerFile", "OnPage"]
+__all__ = ["Guard", "MarkerFile", "OnPage", "on_page_from_env"]
 
 log = logging.getLogger("timwatch.tap")
 
@@ -46,6 +46,20 @@ class MarkerFile:
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(body) + "\n", encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+def on_page_from_env(value: str | None, name: str = "TIMWATCH_ON_PAGE") -> OnPage | None:
+    """The ``on_page`` a setting names: unset or empty → None, ``raise``, or ``marker:PATH``
+    (a `MarkerFile`); anything else is a `ConfigError` naming `name`. For plug-ins that build
+    their `Tap` from the environment (verl's workers)."""
+    text = (value or "").strip()
+    if not text:
+        return None
+    if text == "raise":
+        return "raise"
+    if text.startswith("marker:") and text[len("marker:") :].strip():
+        return MarkerFile(text[len("marker:") :].strip())
+    raise ConfigError(f"{name} must be 'raise' or 'marker:PATH', got {text[:100]!r}")
 
 
 class Guard:

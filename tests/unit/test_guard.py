@@ -191,3 +191,40 @@ def test_parse_time_against_datetime(text: str) -> None:
     frac = {"2026-12-05T21:00:00.123456789Z": 0.123456789, "2026-12-05T19:00:00.25-02:00": 0.25}
     expected = datetime(2026, 12, 5, 21, tzinfo=timezone.utc).timestamp() + frac.get(text, 0.0)
     assert parse_time(text) == pytest.approx(expected, abs=1e-6)
+
+
+# ---------------------------------------------------------------- plug-ins: the one entry point
+
+
+def test_on_page_from_env(tmp_path: Path) -> None:
+    from timwatch.monitor.core.errors import ConfigError
+    from timwatch.sidecar.tap.guard import on_page_from_env
+
+    assert on_page_from_env(None) is None and on_page_from_env("  ") is None
+    assert on_page_from_env("raise") == "raise"
+    marker = on_page_from_env(f"marker:{tmp_path / 'STOP'}")
+    assert isinstance(marker, MarkerFile) and marker.path == tmp_path / "STOP"
+    for bad in ("stop", "marker:", "Raise"):
+        with pytest.raises(ConfigError, match="TIMWATCH_ON_PAGE must be 'raise' or 'marker:PATH'"):
+            on_page_from_env(bad)
+
+
+def test_verl_workers_tap_takes_on_page_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from timwatch.sidecar.integrations import verl_hooks
+
+    monkeypatch.setenv("TIMWATCH_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", None)
+    backend = verl_hooks.worker_backend()
+    assert backend is not None
+    try:
+        guard = backend.tap._guard  # type: ignore[attr-defined]
+        assert guard.on_page == "raise"
+        guard.observe(FIRING)
+        with pytest.raises(RunPaged):
+            backend.tap.check_page(3)  # type: ignore[attr-defined]
+    finally:
+        backend.tap.close(0, finish=False)  # type: ignore[attr-defined]
+        monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", None)
