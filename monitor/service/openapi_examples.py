@@ -8,6 +8,7 @@ from .batch_schema import batch_schema
 
 __all__ = [
     "ALERTMANAGER_DESCRIPTION",
+    "ALERTMANAGER_BODY",
     "ALERTMANAGER_RESPONSES",
     "BATCH_BODY",
     "ERROR_SCHEMA",
@@ -217,6 +218,55 @@ POSTs, and `GET /v1/runs/{run}/page`, answer with the header
 `Timwatch-Page: firing; alerts=NAME[,NAME]; since=UNIX_S`, which a `Tap(on_page=...)` acts on.
 The page state is kept in this process's memory.
 """
+
+#: what `PageBoard.apply` accepts, no stricter (fields it does not read are free)
+ALERTMANAGER_BODY: dict[str, Any] = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["version", "alerts"],
+                "properties": {
+                    "version": {"type": "string", "enum": ["4"]},
+                    "alerts": {
+                        "type": "array",
+                        "maxItems": 10_000,
+                        "items": {
+                            "type": "object",
+                            "required": ["status", "labels"],
+                            "properties": {
+                                "status": {"type": "string", "enum": ["firing", "resolved"]},
+                                "labels": {
+                                    "type": "object",
+                                    "additionalProperties": {"type": "string"},
+                                },
+                                "startsAt": {"type": "string", "format": "date-time"},
+                                "fingerprint": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+            },
+            "example": {
+                "version": "4",
+                "status": "firing",
+                "alerts": [
+                    {
+                        "status": "firing",
+                        "labels": {
+                            "alertname": "TimwatchMismatchKLRising",
+                            "run": "grpo-7b",
+                            "severity": "page",
+                        },
+                        "startsAt": "2026-12-05T21:00:00Z",
+                        "fingerprint": "0f1e2d3c4b5a6978",
+                    }
+                ],
+            },
+        }
+    },
+}
 
 ALERTMANAGER_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {

@@ -27,20 +27,19 @@ from ..core.page import Page
 __all__ = ["PageBoard", "parse_time"]
 
 _TIME = re.compile(
-    r"^(\d{4}-\d{2}-\d{2})[T ](\d{2}:\d{2}:\d{2})(?:\.(\d+))?(Z|[+-]\d{2}:?\d{2})?$", re.I
+    r"^(\d{4}-\d{2}-\d{2})T(\d{2}:\d{2}:\d{2})(?:\.(\d+))?(Z|[+-]\d{2}:\d{2})$", re.I
 )
 _MAX_ALERTS = 10_000
 
 
 def parse_time(text: str) -> float:
-    """Unix seconds of an RFC 3339 time as Alertmanager writes it (nanoseconds, ``Z``)."""
-    m = _TIME.match(text.strip())
+    """Unix seconds of an RFC 3339 time as Alertmanager writes it (nanoseconds, ``Z``); a time
+    without its zone is refused."""
+    m = _TIME.match(text)
     if not m:
         raise ValueError(f"not an RFC 3339 time: {text[:60]!r}")
     date, clock, frac, zone = m.groups()
-    zone = "+00:00" if zone is None or zone.upper() == "Z" else zone
-    if len(zone) == 5:  # +0100
-        zone = zone[:3] + ":" + zone[3:]
+    zone = "+00:00" if zone.upper() == "Z" else zone
     stamp = datetime.fromisoformat(f"{date}T{clock}{zone}").astimezone(timezone.utc)
     return stamp.timestamp() + (float(f"0.{frac}") if frac else 0.0)
 
@@ -71,12 +70,16 @@ def _alerts(payload: object) -> list[tuple[str, str, str, str, float | None, str
         ):
             raise InputError(f"{where}.labels", f"{where}.labels must map strings to strings")
         starts: float | None = None
-        if alert.get("startsAt"):
+        if "startsAt" in alert:
             try:
-                starts = parse_time(str(alert["startsAt"]))
+                if not isinstance(alert["startsAt"], str):
+                    raise ValueError("must be a string")
+                starts = parse_time(alert["startsAt"])
             except ValueError as exc:
                 raise InputError(f"{where}.startsAt", f"{where}.startsAt: {exc}") from None
         fingerprint = alert.get("fingerprint")
+        if "fingerprint" in alert and not isinstance(fingerprint, str):
+            raise InputError(f"{where}.fingerprint", f"{where}.fingerprint must be a string")
         key = str(fingerprint) if fingerprint else repr(sorted(labels.items()))
         out.append(
             (

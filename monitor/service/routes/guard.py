@@ -37,6 +37,7 @@ def page_headers(pages: PageBoard, run: str) -> dict[str, str] | None:
     summary="Alertmanager webhook: page runs for the guard",
     description=ex.ALERTMANAGER_DESCRIPTION,
     responses=ex.ALERTMANAGER_RESPONSES,
+    openapi_extra={"requestBody": ex.ALERTMANAGER_BODY},
     dependencies=[Depends(require_write)],
 )
 async def alertmanager(
