@@ -44,9 +44,11 @@ def run_one(
     out: Path,
     progress: Progress,
     rules: Path = RULES,
+    guard: bool = False,
 ) -> dict[str, Any]:
     from benchmarks.collapse_lab.grpo import LabTrainer
-    from timwatch.sidecar.tap import Tap
+    from benchmarks.collapse_lab.guard import LabGuard
+    from timwatch.sidecar.tap import RunPaged, Tap
 
     run = f"{cfg.name}-s{seed}"
     rundir = out / run
@@ -55,16 +57,24 @@ def run_one(
     task = progress.add_task(run, total=cfg.steps)
     logs, series = [], []
     started = time.monotonic()
-    with Tap(server.url, run, rank=0) as tap:
-        for step in range(cfg.steps):
-            log = trainer.step(step, tap)
-            if not tap.flush(60):
-                raise RuntimeError(f"{run}: the tap could not deliver step {step}")
-            logs.append(asdict(log))
-            series.append(snapshot(server.metrics(), run))
-            progress.update(task, advance=1, description=f"{run} reward {log.reward:.2f}")
+    lab_guard = LabGuard(server.url, run, rules) if guard else None
+    stopped = None
+    with Tap(server.url, run, rank=0, on_page="raise" if guard else None) as tap:
+        try:
+            for step in range(cfg.steps):
+                log = trainer.step(step, tap)
+                if not tap.flush(60):
+                    raise RuntimeError(f"{run}: the tap could not deliver step {step}")
+                logs.append(asdict(log))
+                series.append(snapshot(server.metrics(), run))
+                progress.update(task, advance=1, description=f"{run} reward {log.reward:.2f}")
+                if lab_guard is not None:
+                    lab_guard.after_step(step, series)
+                tap.check_page(step)  # the step boundary: RunPaged once the service pages
+        except RunPaged:
+            stopped = step
     wall = time.monotonic() - started
-    sent = cfg.steps * cfg.prompts * cfg.group * cfg.prompt_len
+    sent = len(logs) * cfg.prompts * cfg.group * cfg.prompt_len
     counted = series[-1].get(f'timwatch_token_kl_count{{run="{run}"}}') if series else None
     if counted != sent:  # e.g. another server shared the history and took some batches
         raise RuntimeError(f"{run}: sent {sent} tokens, the server exported {counted}")
@@ -79,6 +89,10 @@ def run_one(
         "firings": firings, **lead_summary(onset, firings), "wall_s": round(wall, 1),
         "settings": asdict(cfg),
     }  # fmt: skip
+    if lab_guard is not None:
+        result["guard"] = {
+            "paged_step": lab_guard.paged_step, "alerts": lab_guard.alerts, "stopped_step": stopped
+        }  # fmt: skip
     (rundir / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -89,6 +103,9 @@ def main(
     out: Annotated[Path, typer.Option(help="output folder")] = Path("collapse-lab-runs"),
     steps: Annotated[int, typer.Option(help="override the steps per run (0: config's)")] = 0,
     rules: Annotated[Path, typer.Option(help="rules file to replay against")] = RULES,
+    guard: Annotated[
+        bool, typer.Option(help="stop each run at the step boundary after its first page")
+    ] = False,
 ) -> None:
     """Run lab configurations through tap → timwatch serve → promtool-evaluated shipped rules."""
     names = [c.strip() for c in config.split(",") if c.strip()]
@@ -109,7 +126,7 @@ def main(
             for name in names:
                 cfg = CONFIGS[name] if steps <= 0 else replace(CONFIGS[name], steps=steps)
                 for seed in seed_list:
-                    r = run_one(cfg, seed, server, out, progress, rules)
+                    r = run_one(cfg, seed, server, out, progress, rules, guard)
                     fired = ", ".join(f"{f['alert']}@{f['step']}" for f in r["firings"])
                     progress.console.print(
                         f"{name} seed {seed}: collapse {r['collapse_step']} · "

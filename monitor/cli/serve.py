@@ -94,6 +94,14 @@ def serve(
             show_default=False,
         ),
     ] = None,
+    page_severity: Annotated[
+        str,
+        typer.Option(
+            envvar="TIMWATCH_PAGE_SEVERITY",
+            help="the severity label of the Alertmanager alerts (POST /v1/alertmanager) that "
+            "page a run for the guard (Tap on_page)",
+        ),
+    ] = "page",
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
     *,
     params: PolicyParams,
@@ -106,6 +114,6 @@ def serve(
         host=host, port=port, db_url=db, token=token or None, read_token=read_token or None,
         max_body=max_body, max_inflight=max_inflight, run_ttl=run_ttl, finish_grace=finish_grace,
         nonfinite=check_nonfinite(nonfinite), params=params, insecure=insecure,
-        tokenizer=tokenizer or None, replica_id=replica_id,
+        tokenizer=tokenizer or None, replica_id=replica_id, page_severity=page_severity,
     )  # fmt: skip
     run_server(settings, log_level=log_level)

@@ -18,6 +18,7 @@ Each subclass also keeps the builtin base callers already catch (`ValueError` fo
     ├── InsecureBindError (RuntimeError)   a public bind without a write token
     ├── PluginContextError (RuntimeError)  a trainer plug-in's per-micro-batch inputs are missing
     │                                      or belong to another micro-batch
+    ├── RunPaged (RuntimeError)            the guard stops a training loop: its run is paged
     ├── ApiError                           an HTTP answer the service gives (status, detail)
     └── TimwatchHTTPError (RuntimeError)   a non-2xx answer seen by the client (status, detail)
 """
@@ -36,6 +37,7 @@ __all__ = [
     "JoinError",
     "NotFast",
     "PluginContextError",
+    "RunPaged",
     "SeriesMismatch",
     "StoreUnavailable",
     "TimwatchError",
@@ -121,6 +123,16 @@ class InsecureBindError(TimwatchError, RuntimeError):
 
 class PluginContextError(TimwatchError, RuntimeError):
     """A trainer plug-in's loss found no μ/H context for its micro-batch, or one set for another."""
+
+
+class RunPaged(TimwatchError, RuntimeError):
+    """Raised by `Tap.report` (``on_page="raise"``) at the first step boundary after the
+    service said the run is paged; `alerts` names the firing alerts, `since` when (Unix s)."""
+
+    def __init__(self, run: str, alerts: tuple[str, ...], since: float | None) -> None:
+        names = ", ".join(alerts) or "page"
+        super().__init__(f"run {run} is paged ({names}); stopped by the timwatch guard")
+        self.run, self.alerts, self.since = run, alerts, since
 
 
 class ApiError(TimwatchError):

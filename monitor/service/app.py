@@ -4,7 +4,8 @@ includes the routers of `timwatch.monitor.service.routes`.
 Per app, on ``app.state``: ``settings``, ``store``, ``runs`` (the live `RunRegistry`),
 ``registry`` (its own Prometheus collector registry, so many apps can live in one process) and
 ``serving`` (`Serving`: incremental exposition, in-flight budget, ingest slots, store pinger)
-and ``token_text`` (the ``--tokenizer`` vocabulary the report uses, or None).
+``token_text`` (the ``--tokenizer`` vocabulary the report uses, or None) and ``pages``
+(`PageBoard`: the runs the guard pages, fed by ``POST /v1/alertmanager``).
 The event loop only moves bytes: parsing, validation, the metric kernel and the database
 transaction of a batch all run in the threadpool, so one big batch never stalls scrapes or
 other clients. ``/metrics`` renders on its own thread and ``/healthz`` answers from memory, so
@@ -27,6 +28,7 @@ from ..report.tokenizer import load_tokenizer
 from ..store import Store, StoreUnavailable
 from .admission import RETRY_AFTER_S
 from .exporter import make_registry
+from .pages import PageBoard
 from .responses import encode_masks, json_response, metric_column
 from .routes import ROUTERS
 from .runs import RunRegistry
@@ -100,6 +102,7 @@ def create_app(
     app.state.registry = make_registry(runs)
     app.state.serving = serving
     app.state.token_text = token_text
+    app.state.pages = PageBoard(settings.page_severity)
     app.exception_handler(ApiError)(_api_error)
     app.exception_handler(StoreUnavailable)(_store_down)
     for router in ROUTERS:

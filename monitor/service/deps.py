@@ -19,6 +19,7 @@ from ..core.errors import ApiError
 from ..core.masks import PolicyParams
 from ..store import Store
 from .admission import Reservation
+from .pages import PageBoard
 from .params import PolicyQuery, apply_query
 from .runs import RunRegistry
 from .serving import Serving
@@ -26,12 +27,14 @@ from .settings import Settings
 
 __all__ = [
     "CollectorRegistryDep",
+    "PagesDep",
     "PolicyParamsDep",
     "RunsDep",
     "ServingDep",
     "SettingsDep",
     "StoreDep",
     "get_collector_registry",
+    "get_pages",
     "get_runs",
     "get_serving",
     "get_settings",
@@ -68,11 +71,17 @@ async def get_collector_registry(request: Request) -> CollectorRegistry:
     return registry
 
 
+async def get_pages(request: Request) -> PageBoard:
+    pages: PageBoard = request.app.state.pages
+    return pages
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]
 RunsDep = Annotated[RunRegistry, Depends(get_runs)]
 CollectorRegistryDep = Annotated[CollectorRegistry, Depends(get_collector_registry)]
 ServingDep = Annotated[Serving, Depends(get_serving)]
+PagesDep = Annotated[PageBoard, Depends(get_pages)]
 
 
 def _bearer(request: Request) -> str | None:

@@ -7,6 +7,9 @@ from typing import Any
 from .batch_schema import batch_schema
 
 __all__ = [
+    "ALERTMANAGER_DESCRIPTION",
+    "ALERTMANAGER_BODY",
+    "ALERTMANAGER_RESPONSES",
     "BATCH_BODY",
     "ERROR_SCHEMA",
     "EVENTS_RESPONSES",
@@ -20,6 +23,8 @@ __all__ = [
     "INGEST_RESPONSES",
     "MASKS_DESCRIPTION",
     "MASKS_RESPONSES",
+    "PAGE_DESCRIPTION",
+    "PAGE_RESPONSES",
     "METRICS_RESPONSES",
     "REPORT_DESCRIPTION",
     "REPORT_RESPONSES",
@@ -204,6 +209,106 @@ FINISH_RESPONSES: dict[int | str, dict[str, Any]] = {
         field="Timwatch-Tap-Dropped",
     ),
     503: read_errors()[503],
+}
+
+ALERTMANAGER_DESCRIPTION = """
+The guard's receiver: point an Alertmanager `webhook_configs` entry at it (with
+`send_resolved: true` and the write token as `http_config.authorization.credentials`). Each alert
+with a `run` label and the server's `--page-severity` (default `page`) pages its run while it
+fires and is cleared when resolved; other alerts are counted as `ignored`. A paged run's batch
+POSTs, and `GET /v1/runs/{run}/page`, answer with the header
+`Timwatch-Page: firing; alerts=NAME[,NAME]; since=UNIX_S`, which a `Tap(on_page=...)` acts on.
+The page state is kept in this process's memory.
+"""
+
+#: what `PageBoard.apply` accepts, no stricter (fields it does not read are free)
+ALERTMANAGER_BODY: dict[str, Any] = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["version", "alerts"],
+                "properties": {
+                    "version": {"type": "string", "enum": ["4"]},
+                    "alerts": {
+                        "type": "array",
+                        "maxItems": 10_000,
+                        "items": {
+                            "type": "object",
+                            "required": ["status", "labels"],
+                            "properties": {
+                                "status": {"type": "string", "enum": ["firing", "resolved"]},
+                                "labels": {
+                                    "type": "object",
+                                    "additionalProperties": {"type": "string"},
+                                },
+                                "startsAt": {"type": "string", "format": "date-time"},
+                                "fingerprint": {"type": "string"},
+                            },
+                        },
+                    },
+                },
+            },
+            "example": {
+                "version": "4",
+                "status": "firing",
+                "alerts": [
+                    {
+                        "status": "firing",
+                        "labels": {
+                            "alertname": "TimwatchMismatchKLRising",
+                            "run": "grpo-7b",
+                            "severity": "page",
+                        },
+                        "startsAt": "2026-12-05T21:00:00Z",
+                        "fingerprint": "0f1e2d3c4b5a6978",
+                    }
+                ],
+            },
+        }
+    },
+}
+
+ALERTMANAGER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "What the payload did, and which of the runs it named are paged now.",
+        "content": {
+            "application/json": {
+                "example": {"firing": 1, "resolved": 0, "ignored": 2, "paged": ["grpo-7b"]}
+            }
+        },
+    },
+    401: error("Missing or wrong bearer token (writes need TIMWATCH_TOKEN).", "unauthorized"),
+    413: error("Body larger than the limit.", "body exceeds 16777216 bytes"),
+    422: error(
+        "Not an Alertmanager webhook payload (version 4); nothing was applied.",
+        'alerts[0].status must be "firing" or "resolved"',
+        field="alerts[0].status",
+    ),
+}
+
+PAGE_DESCRIPTION = """
+Whether the guard pages the run (fed by `POST /v1/alertmanager`), with the
+`Timwatch-Page` header while it does.
+"""
+
+PAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The run's page state.",
+        "content": {
+            "application/json": {
+                "example": {
+                    "run": "grpo-7b",
+                    "paged": True,
+                    "alerts": ["TimwatchMismatchKLRising"],
+                    "since": 1764403600.0,
+                }
+            }
+        },
+    },
+    401: read_errors()[401],
+    422: error("A malformed run id.", "run id is empty"),
 }
 
 MASKS_DESCRIPTION = """

@@ -62,6 +62,9 @@ class Settings:
     #: ``--replica-id``: counters are kept in the store under this id and continue across
     #: restarts (None: they restart at 0 with the process)
     replica_id: str | None = None
+    #: ``--page-severity``: the ``severity`` label of the Alertmanager alerts that page a run for
+    #: the guard (``POST /v1/alertmanager``); alerts of other severities are ignored
+    page_severity: str = "page"
 
     @property
     def inflight_budget(self) -> int:

@@ -48,15 +48,22 @@ _WORKER_BACKEND: plugin.TimwatchTracking | None = None
 
 
 def worker_backend() -> plugin.TimwatchTracking | None:
-    """The per-process collector from TIMWATCH_URL / TIMWATCH_RUN / TIMWATCH_TOKEN, if set."""
+    """The per-process collector from TIMWATCH_URL / TIMWATCH_RUN / TIMWATCH_TOKEN, if set;
+    TIMWATCH_ON_PAGE (``raise`` or ``marker:PATH``) is its tap's guard action (``on_page``)."""
     global _WORKER_BACKEND
     url = os.environ.get("TIMWATCH_URL")
     if not url:
         return None
     if _WORKER_BACKEND is None:
         from ..tap import Tap
+        from ..tap.guard import on_page_from_env
 
-        tap = Tap(url, os.environ.get("TIMWATCH_RUN", "verl"), os.environ.get("TIMWATCH_TOKEN"))
+        tap = Tap(
+            url,
+            os.environ.get("TIMWATCH_RUN", "verl"),
+            os.environ.get("TIMWATCH_TOKEN"),
+            on_page=on_page_from_env(os.environ.get("TIMWATCH_ON_PAGE")),
+        )
         _WORKER_BACKEND = plugin.TimwatchTracking(tap)
     return _WORKER_BACKEND
 

@@ -15,6 +15,11 @@ reported: the next batch POST carries ``Timwatch-Tap-Dropped: N``, the batches t
 (dropped, or given up after retries) since the monitor last counted them; N is kept until a 2xx
 answer that counted it (a first attempt answered as a replay did not). `close()` flushes, then
 POSTs ``/v1/runs/{run}/finish`` unless ``finish=False``; a failed finish is logged, never raised.
+
+The guard (`timwatch.sidecar.tap.guard`): every answer's ``Timwatch-Page`` header says whether
+the run is paged; with ``on_page`` set, the next `report` (or `check_page`) on the training
+thread runs the action once per page. `report` raises only `RunPaged`, and only with
+``on_page="raise"`` (or an action that raises it), after its batch was queued.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ from typing import Any
 from ...monitor.core.batch import Batch, BatchError
 from ...monitor.core.clock import SYSTEM_CLOCK, Clock
 from ...monitor.core.errors import InputError
+from ...monitor.core.page import Page
 from ...monitor.core.scalars import check_source, map_scalars, to_float
+from .guard import Guard, OnPage
 from .pool import BufferPool
 from .poster import Poster, post_finish
 from .queue import DropLog, DropQueue, Item
@@ -61,7 +68,10 @@ class Tap:
     ``Retry-After``, never above ``max_backoff_s``), waited on ``clock``. ``rank`` defaults to
     ``RANK`` (or torch.distributed's rank); generated batch ids are
     ``{id_prefix}-s{step}-{digest[:24]}`` with ``id_prefix`` ``tap-r{rank}``. ``finish``:
-    `close()` marks the run finished.
+    `close()` marks the run finished. ``on_page``: the guard's action when the service pages
+    the run: ``"raise"`` (`RunPaged` out of the next `report`), a
+    `timwatch.sidecar.tap.MarkerFile`, or a callable taking the `Page`; None (default) only
+    records it (`page`).
     """
 
     def __init__(
@@ -82,9 +92,11 @@ class Tap:
         finish: bool = True,
         drop_log_s: float = 30.0,
         clock: Clock = SYSTEM_CLOCK,
+        on_page: OnPage | None = None,
     ) -> None:
         if not run:
             raise ValueError("run must be a non-empty string")
+        self._guard = Guard(run, on_page)
         self._queue = DropQueue(queue_size, max_queue_bytes)
         self._pool = BufferPool(max_queue_bytes // 4)
         self.url = url.rstrip("/")
@@ -140,22 +152,43 @@ class Tap:
         batch_id: str | None = None,
         entropy_source: str = "trainer",
     ) -> bool:
-        """Snapshot the arrays and enqueue them; True if queued. Never raises.
+        """Snapshot the arrays and enqueue them; True if queued. Then, a step boundary, runs the
+        guard's action if the run is paged (`check_page`): raises only `RunPaged`, only when
+        ``on_page`` asks for it, and never before the batch is queued.
 
         Costs one copy per array: no validation, encoding or hashing happens here."""
-        try:
-            given = {
-                "cu_seqlens": cu_seqlens,
-                "logp_rollout": logp_rollout,
-                "logp_train": logp_train,
-                "entropy": entropy,
-                "loss_mask": loss_mask,
-                "token_ids": token_ids,
-                "token_ids_train": token_ids_train,
-                "versions": versions,
-                "logp_old": logp_old,
+        queued = self._report(
+            step, policy_version, batch_id, entropy_source,
+            {
+                "cu_seqlens": cu_seqlens, "logp_rollout": logp_rollout, "logp_train": logp_train,
+                "entropy": entropy, "loss_mask": loss_mask, "token_ids": token_ids,
+                "token_ids_train": token_ids_train, "versions": versions, "logp_old": logp_old,
                 "logp_teacher": logp_teacher,
-            }
+            },
+        )  # fmt: skip
+        self.check_page(step)
+        return queued
+
+    @property
+    def page(self) -> Page | None:
+        """The run's page as the service's last answer said (None: not paged)."""
+        return self._guard.page
+
+    def check_page(self, step: int | None = None) -> None:
+        """Run ``on_page`` if the run is paged and it has not run for this page yet; `report`
+        calls it. Raises `RunPaged` only with ``on_page="raise"``; an action's other errors are
+        logged and counted (``page_errors``)."""
+        self._guard.check(step)
+
+    def _report(
+        self,
+        step: int,
+        policy_version: int | None,
+        batch_id: str | None,
+        entropy_source: str,
+        given: dict[str, Any],
+    ) -> bool:
+        try:
             present = {k: v for k, v in given.items() if v is not None}
             self._touched = True
             if self._closed:
@@ -181,19 +214,7 @@ class Tap:
             nbytes = sum(snapshot_bytes(v) for v in arrays.values())
             meta = {"policy_version": policy_version, "entropy_source": entropy_source}
             item = Item(int(step), batch_id, meta, arrays, nbytes, event, buffers)
-            with self._cond:
-                if self._closed:
-                    return False
-                evicted = self._queue.put(item)
-                queued = not evicted or evicted[-1] is not item
-                if queued:
-                    self._stats.reported += 1
-                    self._cond.notify()
-            if evicted:  # outside the lock: nothing reads these copies any more
-                for old in evicted:
-                    self._pool.give(old.buffers)
-                self._dropped(len(evicted), oversized=not queued)
-            return queued
+            return self._enqueue(item)
         except Exception as exc:  # noqa: BLE001 - the tap must never break training
             self._stats.errors += 1
             self._stats.last_error = f"report: {type(exc).__name__}: {exc}"
@@ -208,7 +229,14 @@ class Tap:
         host with ``non_blocking=True`` and read on the shipper thread, after its event.
 
         Same queue, drop and retry rules as `report`. Sending a step again (a retry, a resumed
-        trainer) overwrites its stored values: nothing is counted twice."""
+        trainer) overwrites its stored values: nothing is counted twice. Like `report`, it then
+        runs the guard's action if the run is paged (`check_page`): a scalars-only trainer is
+        guarded too, and only `RunPaged` (with ``on_page="raise"``) leaves it."""
+        queued = self._log(step, scalars, source)
+        self.check_page(step)
+        return queued
+
+    def _log(self, step: int, scalars: Any, source: str | None) -> bool:
         try:
             self._touched = True
             if self._closed:
@@ -241,7 +269,7 @@ class Tap:
             if queued:
                 self._stats.reported += 1
                 self._cond.notify()
-        if evicted:
+        if evicted:  # outside the lock: nothing reads these copies any more
             for old in evicted:
                 self._pool.give(old.buffers)
             self._dropped(len(evicted), oversized=not queued)
@@ -279,6 +307,7 @@ class Tap:
             out["queue"] = len(self._queue)
             out["queue_bytes"] = self._queue.nbytes
             out["in_flight"] = self._busy
+        out["pages"], out["page_errors"] = self._guard.pages, self._guard.errors
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -438,6 +467,7 @@ class Tap:
             except OSError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             else:
+                self._guard.observe(resp.headers)
                 if resp.status < 300:
                     counted = attempt > 0 or not resp.replayed
                     with self._cond:

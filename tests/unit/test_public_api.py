@@ -40,7 +40,7 @@ SIDECAR_API = {
         (timwatch, ROOT_API),
         (timwatch.monitor, MONITOR_API),
         (timwatch.sidecar, SIDECAR_API),
-        (timwatch.sidecar.tap, {"Tap", "TapStats"}),
+        (timwatch.sidecar.tap, {"MarkerFile", "Page", "RunPaged", "Tap", "TapStats"}),
     ],
 )
 def test_exported_names(package: object, expected: set[str]) -> None:

@@ -19,6 +19,7 @@ from ...core.runid import check_run_id
 from ...core.tags import MAX_TAG_KEY, MAX_TAG_VALUE, MAX_TAGS
 from .. import openapi_examples as ex
 from ..deps import (
+    PagesDep,
     RunsDep,
     ServingDep,
     SettingsDep,
@@ -35,6 +36,7 @@ from ..ingest import (
 )
 from ..params import policy_names
 from ..responses import json_response
+from .guard import page_headers
 
 __all__ = ["router"]
 
@@ -63,6 +65,7 @@ async def ingest(
     store: StoreDep,
     runs: RunsDep,
     serving: ServingDep,
+    pages: PagesDep,
     masks: Annotated[str | None, Query(description="policies (comma-separated) or 'all'")] = None,
     tag: Annotated[list[str] | None, Query(description=TAG_DESCRIPTION)] = None,
     tap_dropped_header: Annotated[
@@ -86,7 +89,7 @@ async def ingest(
                 params=settings.params, nonfinite=settings.nonfinite, masks=wanted, tags=tags,
                 tap_dropped=tap_dropped, replica_id=settings.replica_id,
             )  # fmt: skip
-    return json_response(answer)
+    return json_response(answer, headers=page_headers(pages, run))
 
 
 @router.post(

@@ -29,9 +29,10 @@ from ...core.scalars import (
     map_scalars,
 )
 from .. import openapi_examples as ex
-from ..deps import RunsDep, StoreDep, require_read, require_write
+from ..deps import PagesDep, RunsDep, StoreDep, require_read, require_write
 from ..ingest import TAP_DROPPED_HEADER, check_run, parse_tap_dropped
 from ..responses import json_response, split_list
+from .guard import page_headers
 from .history import MAX_LAST, StepQuery, check_step_range, known_run
 
 __all__ = ["MAX_SCALARS_BODY", "router"]
@@ -105,6 +106,7 @@ async def post_scalars(
     request: Request,
     store: StoreDep,
     runs: RunsDep,
+    pages: PagesDep,
     tap_dropped_header: Annotated[
         str | None,
         Header(
@@ -136,7 +138,7 @@ async def post_scalars(
     if tap_dropped and not answer["replayed"]:
         runs.add_tap_dropped(run, tap_dropped)
     runs.observe_scalars(run, step, source, mapped, answer)
-    return json_response(answer)
+    return json_response(answer, headers=page_headers(pages, run))
 
 
 @router.get(
