@@ -1,9 +1,10 @@
-"""Plug-ins for RL training frameworks (verl, slime).
+"""Plug-ins for RL training frameworks (verl, slime, AReaL).
 
 Each submodule imports torch and is meant to be imported by the trainer process only; none of
 them needs its framework installed to be imported. `verl` (the entry module) also registers the
-loss and installs `verl_hooks` when verl is installed; `verl_loss` holds the loss side. Importing
-this package itself imports nothing heavy.
+loss and installs `verl_hooks` when verl is installed; `verl_loss` holds the loss side. `areal`
+installs its hooks on AReaL's PPO actor module when imported (TIMWATCH_AREAL_AUTOINSTALL=0 turns
+that off; then call `install()`). Importing this package itself imports nothing heavy.
 """
 
 __all__: list[str] = []
