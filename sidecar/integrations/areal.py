@@ -106,6 +106,18 @@ def worker_collector() -> AReaLCollector | None:
     return _COLLECTOR
 
 
+_WARNED = False
+
+
+def _warn_no_prox() -> None:
+    global _WARNED
+    _WARNED = True
+    log.warning(
+        "timwatch: AReaL's batch has no prox_logp (π_old), so nothing is reported: use "
+        "actor.recompute_logprob=true or prox_logp_method=recompute/metrics"
+    )
+
+
 def _estr_stat(rejected: torch.Tensor, mask: torch.Tensor) -> None:
     """`estr_mask_ratio` (rejected / loss-mask tokens) into AReaL's stats, over a denominator of
     its own so that its list of per-call tensors always pairs with this call's."""
@@ -127,6 +139,8 @@ def wrap_loss(grpo_loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     def loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor, input_data: dict, **kw: Any) -> Any:
         collector = _COLLECTOR
         mu, pi_old = input_data.get(MU_KEY), input_data.get("prox_logp")
+        if collector is not None and mu is not None and pi_old is None and not _WARNED:
+            _warn_no_prox()
         if collector is None or mu is None or pi_old is None:
             return grpo_loss_fn(logprobs, entropy, input_data, **kw)
         mask = input_data["loss_mask"].bool()
@@ -176,6 +190,8 @@ def install(module: Any = None) -> bool:
 
     @functools.wraps(compute_advantages)
     def _compute_advantages(self: Any, data: dict[str, Any]) -> Any:
+        if worker_collector() is None:
+            return compute_advantages(self, data)
         mu = torch.roll(data["logprobs"], shifts=-1, dims=-1).detach().clone()
         out = compute_advantages(self, data)
         out[MU_KEY] = mu * out["loss_mask"].to(mu.dtype)

@@ -139,8 +139,22 @@ def test_estr_zeroes_exactly_the_rejected_tokens(monkeypatch: pytest.MonkeyPatch
     ratio = stats_tracker.export_all()["ppo_actor/update/estr_mask_ratio/avg"]
     assert ratio == pytest.approx(sum(rejected) / len(rejected), abs=1e-6)
 
-    monkeypatch.setattr(plugin, "_COLLECTOR", None)
+    monkeypatch.setattr(plugin, "_COLLECTOR", plugin.AReaLCollector(RecordingTap()))  # μ kept
     monkeypatch.setattr(areal_actor, "grpo_loss_fn", zeroing)
     model = TinyModel(0)
     at.update(at.actor(at.TinyEngine(model, n_mbs=1)), at.rollout_batch(4, TinyModel(0), n=6))
     assert torch.allclose(model.table, estr_table, atol=1e-6)
+
+
+class RaisingTap:
+    def report(self, step: int, **arrays: Any) -> None:
+        raise OSError("monitor down")
+
+
+def test_a_failing_tap_never_breaks_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plugin.install()
+    monkeypatch.setattr(plugin, "_COLLECTOR", plugin.AReaLCollector(RaisingTap()))
+    model = TinyModel(0)
+    before = model.table.detach().clone()
+    at.update(at.actor(at.TinyEngine(model)), at.rollout_batch(5, TinyModel(0)))
+    assert not torch.equal(model.table, before)  # the step was taken
