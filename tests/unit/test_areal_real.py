@@ -71,6 +71,30 @@ def test_one_report_per_step_with_every_token_once(tap: RecordingTap) -> None:
         assert arrays[name].shape == (int(cu[-1]),), name
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"use_decoupled_loss": False, "recompute_logprob": True},  # AReaL overwrites logprobs
+        {"use_decoupled_loss": True, "ppo_n_minibatches": 2},  # two optimizer steps
+    ],
+    ids=["coupled-recompute", "two-minibatches"],
+)
+def test_mu_is_the_rollouts_in_every_mode(tap: RecordingTap, config: dict[str, Any]) -> None:
+    """With the decoupled loss off AReaL replaces `logprobs` by π_old before the loss; the
+    reported μ is still the engine's. Two mini-batches: every token still reported once."""
+    model = TinyModel(0)
+    batch = at.rollout_batch(2, model, n=6)
+    want = at.expected_tokens(batch, model)
+    at.update(at.actor(at.TinyEngine(model), **config), batch)
+    [(_, arrays)] = tap.reports
+    got = at.reported_tokens(arrays)
+    key = lambda seq: tuple(round(x[0], 4) for x in seq)  # noqa: E731
+    for g, w in zip(sorted(got, key=key), sorted(want, key=key), strict=True):
+        g_t, w_t = torch.tensor(g), torch.tensor(w, dtype=torch.float64)
+        assert torch.allclose(g_t[:, :2], w_t[:, :2], atol=2e-6)  # μ and π_old
+    assert not all(abs(m - p) < 1e-3 for seq in got for m, p, _ in seq)  # μ is not π_old
+
+
 def test_steps_follow_the_engine_version(tap: RecordingTap) -> None:
     model = TinyModel(0)
     engine = at.TinyEngine(model)
