@@ -57,6 +57,11 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt
 # real TRL for its plug-in's tests, the same way: trl only, on the pins above
 .venv/bin/python -m pip install -q --no-deps -r tests/requirements-trl.txt
+# real AReaL for its plug-in's tests, the same way: only what importing its PPO actor needs
+# (tests/requirements-areal.txt)
+.venv/bin/python -m pip install -q --no-deps -r tests/requirements-areal.txt
+# and real OpenRLHF (tests/requirements-openrlhf.txt)
+.venv/bin/python -m pip install -q --no-deps -r tests/requirements-openrlhf.txt
 # numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
 # the background while the rest is installed and the linters run): otherwise the first
 # processes of both workers compile the same kernels at once, each taking over a minute, while
