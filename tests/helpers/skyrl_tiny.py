@@ -183,7 +183,8 @@ def rollout_batch(
 ) -> Any:
     """A `TrainingInputBatch` laid out as SkyRL's `convert_prompts_responses_to_batch_tensors`
     lays it out (one left-padded block per row, response tensors right-aligned), with π_old from
-    `model`, μ = π_old + Gaussian noise, a loss-mask hole, and mini-batches of 2 rows."""
+    `model`, μ = π_old + Gaussian noise (kept below 0), a loss-mask hole, and mini-batches of 2
+    rows."""
     from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -203,7 +204,7 @@ def rollout_batch(
     with torch.no_grad():
         chosen, _ = model.logp_entropy(sequences)
     old = chosen[:, -response:] * response_mask
-    mu = (old + noise * torch.randn(old.shape, generator=g)) * response_mask
+    mu = (old + noise * torch.randn(old.shape, generator=g)).clamp(max=-1e-3) * response_mask
     advantages = torch.randn(bs, 1, generator=g).expand(bs, response) * response_mask
     batch = TrainingInputBatch(
         {
