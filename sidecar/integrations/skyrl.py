@@ -43,6 +43,7 @@ __all__ = [
     "ESTR_LOSS_NAME",
     "STEP_KEY",
     "compute_policy_loss_estr",
+    "estr_policy_loss",
     "install_worker_hooks",
     "pack_right_aligned",
     "register_with_skyrl",
@@ -213,6 +214,13 @@ def install_worker_hooks(worker_cls: Any = None) -> bool:
     return True
 
 
+def estr_policy_loss(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """`skyrl_loss.compute_policy_loss_estr`, registered from this module: SkyRL's registry ships
+    it to its Ray workers by cloudpickle, which pickles it by reference, so unpickling it there
+    imports this module and installs the worker hooks in that process."""
+    return compute_policy_loss_estr(*args, **kwargs)
+
+
 def register_with_skyrl(*, hook_worker: bool = True) -> bool:
     """Register `estr` in SkyRL's `PolicyLossRegistry` (and install the worker hooks); False
     without SkyRL."""
@@ -224,7 +232,7 @@ def register_with_skyrl(*, hook_worker: bool = True) -> bool:
         log.exception("timwatch: SkyRL is installed but does not import here")
         return False
     if ESTR_LOSS_NAME not in PolicyLossRegistry.list_available():
-        PolicyLossRegistry.register(ESTR_LOSS_NAME, compute_policy_loss_estr)
+        PolicyLossRegistry.register(ESTR_LOSS_NAME, estr_policy_loss)
     if hook_worker:
         try:
             install_worker_hooks()

@@ -70,7 +70,42 @@ def test_estr_is_in_skyrls_registry() -> None:
     from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
 
     assert plugin.register_with_skyrl()
-    assert PolicyLossRegistry.get("estr") is skyrl_loss.compute_policy_loss_estr
+    assert PolicyLossRegistry.get("estr") is plugin.estr_policy_loss
+
+
+def test_the_registered_loss_installs_the_hooks_where_it_is_unpickled() -> None:
+    """What SkyRL's registry does for a Ray worker: the cloudpickled `estr` loss, loaded in a
+    fresh process, imports the entry module there, which hooks the policy worker."""
+    import subprocess
+    import sys
+
+    import cloudpickle
+
+    from tests.helpers.procs import REPO
+
+    blob = cloudpickle.dumps(plugin.estr_policy_loss)
+    code = (
+        "import pickle, sys\n"
+        "from tests.helpers import skyrl_tiny\n"
+        "skyrl_tiny.import_skyrl()\n"
+        "from skyrl.backends.skyrl_train.workers.worker import PolicyWorkerBase as W\n"
+        "assert not getattr(W, '_timwatch_hooked', False)\n"
+        "f = pickle.loads(sys.stdin.buffer.read())\n"
+        "assert W._timwatch_hooked and f.__module__ == 'timwatch.sidecar.integrations.skyrl'\n"
+        "print('hooked')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIMWATCH_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        cwd=REPO,
+        env=env,
+        input=blob,
+        capture_output=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    assert out.stdout.decode().strip().endswith("hooked")
 
 
 def test_update_reports_skyrls_step_with_the_trainers_tokens(tap: RecordingTap) -> None:
