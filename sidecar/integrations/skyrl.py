@@ -47,6 +47,7 @@ __all__ = [
     "install_worker_hooks",
     "pack_right_aligned",
     "register_with_skyrl",
+    "timwatch_callback",
     "worker_tap",
 ]
 
@@ -212,6 +213,35 @@ def install_worker_hooks(worker_cls: Any = None) -> bool:
     worker_cls.forward_backward = forward_backward
     worker_cls._timwatch_hooked = True
     return True
+
+
+def _number(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return True
+    shape = getattr(value, "shape", None)
+    return shape is not None and tuple(shape) == () and hasattr(value, "item")
+
+
+def timwatch_callback(tap: Any = None) -> Any:
+    """A SkyRL `TrainingCallback` (pass it as `RayPPOTrainer(..., callbacks=[...])`) whose
+    `on_log` hands the numbers of the dict SkyRL is about to commit to its tracker to timwatch's
+    scalar bridge, `tap.log(global_step, numbers, source="skyrl")`, under SkyRL's own step; other
+    values (tables, strings) stay out. `tap` defaults to the process's `worker_tap()`; with
+    neither, it does nothing."""
+    from skyrl.train.utils.callbacks import TrainingCallback
+
+    class TimwatchCallback(TrainingCallback):
+        def on_log(self, trainer: Any, callback_input: Any, control: Any) -> None:
+            target = tap if tap is not None else worker_tap()
+            logs = callback_input.logs
+            if target is None or not logs:
+                return
+            numbers = {k: v for k, v in logs.items() if _number(v)}
+            target.log(int(callback_input.global_step), numbers, source="skyrl")
+
+    return TimwatchCallback()
 
 
 def estr_policy_loss(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, dict[str, float]]:

@@ -199,3 +199,44 @@ def test_entropy_of_another_forward_is_refused() -> None:
     skyrl_loss.set_entropy(lp_a, h)
     loss, _ = skyrl_loss.compute_policy_loss_estr(lp_a, lp_a, adv, cfg, mask, mu)
     assert torch.isfinite(loss)
+
+
+class RecordingLog:
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, Any], str | None]] = []
+
+    def log(self, step: int, scalars: dict[str, Any], *, source: str | None = None) -> bool:
+        self.logged.append((step, scalars, source))
+        return True
+
+
+def test_callback_sends_skyrls_logged_numbers_under_its_step() -> None:
+    """SkyRL's own `_fire("on_log", logs=...)` through its `CallbackHandler`, as its training loop
+    calls it before committing the step's metrics to its tracker."""
+    from skyrl.train.trainer import RayPPOTrainer
+    from skyrl.train.utils.callbacks import CallbackHandler, TrainingControl
+
+    rec = RecordingLog()
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.global_step, trainer._current_epoch = 12, 0
+    trainer.train_dataloader, trainer.total_training_steps = None, 40
+    trainer._callback_handler = CallbackHandler([plugin.timwatch_callback(rec)])
+    trainer._training_control = TrainingControl()
+    logs = {
+        "policy/rollout_train_logprobs_abs_diff_mean": 0.02,
+        "policy/grad_norm": torch.tensor(0.5),
+        "loss/avg_final_rewards": np.float64(0.25),
+        "trainer/epoch": 0,
+        "generate/samples": "a table",  # not a number: stays out
+        "policy/flag": True,
+    }
+    trainer._fire("on_log", logs=logs)
+    assert len(rec.logged) == 1
+    step, sent, source = rec.logged[0]
+    assert (step, source) == (12, "skyrl")
+    assert sorted(sent) == [
+        "loss/avg_final_rewards",
+        "policy/grad_norm",
+        "policy/rollout_train_logprobs_abs_diff_mean",
+        "trainer/epoch",
+    ]
