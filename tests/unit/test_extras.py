@@ -37,7 +37,7 @@ NOT_IMPORTED = {"sniffio"}  # httpcore looks it up on every lock; timwatch never
 #: them (typer requires pydantic, numba llvmlite)
 PULLED = {"pydantic", "llvmlite"}
 #: the user's own frameworks, imported by the plug-ins for them; never installed by timwatch
-FRAMEWORKS = {"verl", "slime", "megatron", "transformers", "tokenizers"}
+FRAMEWORKS = {"verl", "slime", "skyrl", "megatron", "transformers", "tokenizers"}
 #: where the code lives → the extras that supply its imports (first matching prefix wins)
 AREAS: list[tuple[str, tuple[str, ...]]] = [
     ("monitor/core/", ("server", "torch")),  # the engine (numba) and the torch masks
