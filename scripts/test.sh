@@ -62,6 +62,8 @@ PY="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q --no-deps -r tests/requirements-areal.txt
 # and real OpenRLHF (tests/requirements-openrlhf.txt)
 .venv/bin/python -m pip install -q --no-deps -r tests/requirements-openrlhf.txt
+# real skyrl the same way, for its plug-in's tests (tests/requirements-skyrl.txt)
+.venv/bin/python -m pip install -q --no-deps -r tests/requirements-skyrl.txt
 # numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
 # the background while the rest is installed and the linters run): otherwise the first
 # processes of both workers compile the same kernels at once, each taking over a minute, while

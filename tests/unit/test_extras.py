@@ -37,7 +37,17 @@ NOT_IMPORTED = {"sniffio"}  # httpcore looks it up on every lock; timwatch never
 #: them (typer requires pydantic, numba llvmlite)
 PULLED = {"pydantic", "llvmlite"}
 #: the user's own frameworks, imported by the plug-ins for them; never installed by timwatch
-FRAMEWORKS = {"verl", "slime", "megatron", "transformers", "tokenizers", "trl", "areal", "openrlhf"}
+FRAMEWORKS = {
+    "verl",
+    "slime",
+    "megatron",
+    "transformers",
+    "tokenizers",
+    "trl",
+    "areal",
+    "openrlhf",
+    "skyrl",
+}
 #: where the code lives → the extras that supply its imports (first matching prefix wins)
 AREAS: list[tuple[str, tuple[str, ...]]] = [
     ("monitor/core/", ("server", "torch")),  # the engine (numba) and the torch masks

@@ -1,0 +1,122 @@
+"""A SkyRL run killed after a checkpoint and resumed, reporting through the plug-in's hooks and a
+real `Tap` to a real `timwatch serve`: every step is in the history under SkyRL's own step
+number, with one attempt's tokens, never none and never two.
+
+SkyRL's own code runs `RayPPOTrainer.load_checkpoints` (reads `latest_ckpt_global_step.txt`,
+checks the folder, loads `trainer_state.pt` and hands the policy folder to the dispatch),
+`train_critic_and_policy` and the policy worker (tests/helpers/skyrl_tiny.py). `fit` below follows
+the order of `RayPPOTrainer.train` (load the checkpoint, `global_step += 1`, train, save every
+`ckpt_interval` steps), which cannot run without Ray workers and an inference engine; its
+checkpoint is the tiny model's weights in SkyRL's folder layout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_SKYRL"):
+    import skyrl  # noqa: F401  # CI installs it: a missing skyrl fails, it does not skip
+else:
+    pytest.importorskip("skyrl")
+
+from tests.helpers import skyrl_tiny as st
+
+st.import_skyrl()
+
+from tests.helpers.procs import SHARED_TOKEN, ServerProc  # noqa: E402
+from tests.helpers.reference import reference  # noqa: E402
+from tests.helpers.wire import fresh_run  # noqa: E402
+from timwatch.sidecar.integrations import skyrl as plugin  # noqa: E402
+
+SAVE_FREQ = 3
+
+
+class CheckpointedDispatch(st.LocalDispatch):
+    """The dispatch's checkpoint calls, on the tiny model's weights."""
+
+    def __init__(self, workers: list[Any], model: st.TinyPolicy) -> None:
+        super().__init__(workers)
+        self.model = model
+
+    def save(self, root: Path, step: int) -> None:
+        folder = root / f"global_step_{step}"
+        (folder / "policy").mkdir(parents=True)
+        torch.save(self.model.state_dict(), folder / "policy" / "model.pt")
+        torch.save({"global_step": step}, folder / "trainer_state.pt")
+        (root / "latest_ckpt_global_step.txt").write_text(str(step))
+
+    def load_checkpoint(self, model: str, path: str, **kwargs: Any) -> None:
+        self.model.load_state_dict(torch.load(Path(path) / "model.pt"))
+
+
+class NoDataloader:
+    def load_state_dict(self, state: Any) -> None:
+        raise AssertionError("no data.pt is written here")
+
+
+def fit(root: Path, attempt: int, last_step: int) -> dict[int, Any]:
+    """One trainer process: resume if a checkpoint exists, run to `last_step`; the batches used."""
+    from skyrl.train.trainer import RayPPOTrainer
+    from skyrl.train.utils.trainer_utils import ResumeMode
+
+    model = st.TinyPolicy(0)
+    cfg = st.trainer_config()
+    cfg.ckpt_path = str(root)
+    cfg.ckpt_interval = SAVE_FREQ
+    dispatch = CheckpointedDispatch([st.make_worker(model, cfg)], model)
+    trainer = st.stub_trainer(cfg, dispatch, 0)
+    trainer.resume_mode = ResumeMode.LATEST
+    trainer.train_dataloader = NoDataloader()
+    trainer.global_step, _ = RayPPOTrainer.load_checkpoints(trainer)  # SkyRL's own
+    trainer.global_step += 1
+    used = {}
+    while trainer.global_step <= last_step:
+        step = trainer.global_step
+        used[step] = st.rollout_batch(100 * attempt + step, model)
+        RayPPOTrainer.train_critic_and_policy(trainer, used[step])
+        if step % SAVE_FREQ == 0:
+            dispatch.save(root, step)
+        trainer.global_step += 1
+    return used
+
+
+def expected_row(batch: Any) -> dict[str, Any]:
+    return reference(st.packed_reference(batch))[0]  # entropy 0: tokens and KL do not read H
+
+
+def test_resumed_run_keeps_every_steps_tokens_once(
+    shared_server: ServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = fresh_run("skyrl-resume")
+    assert plugin.register_with_skyrl()
+    st.cpu_device_patches(monkeypatch)
+    monkeypatch.setenv("TIMWATCH_URL", shared_server.url)
+    monkeypatch.setenv("TIMWATCH_RUN", run)
+    monkeypatch.setenv("TIMWATCH_TOKEN", SHARED_TOKEN)
+    taps, batches = [], {}
+    for attempt, last_step in ((1, 5), (2, 7)):  # killed after step 5; resumed from step 3
+        monkeypatch.setattr(plugin, "_TAP", None)  # a new process
+        used = fit(tmp_path, attempt, last_step)
+        tap = plugin.worker_tap()
+        taps.append(tap)
+        assert tap.close(30, finish=False)
+        for step, batch in used.items():
+            batches.setdefault(step, batch)  # the monitor keeps a step's first report
+    first, resumed = (t.stats() for t in taps)
+    assert (first["sent"], first["refused"]) == (10, 0)  # steps 1-5, two mini-batches each
+    # steps 4 and 5 again, with other data: the same batch ids, refused as conflicts (409)
+    assert (resumed["sent"], resumed["refused"]) == (4, 4)
+    with shared_server.client() as c:
+        res = c.get(f"/v1/runs/{run}/metrics", params={"names": "tokens,mismatch_kl"}).json()
+    assert res["steps"] == [1, 2, 3, 4, 5, 6, 7]  # none renumbered, none doubled
+    for i, step in enumerate(res["steps"]):
+        want = expected_row(batches[step])
+        assert res["series"]["tokens"][i] == want["tokens"], step
+        assert res["series"]["mismatch_kl"][i] == pytest.approx(want["mismatch_kl"], rel=1e-9)
+    assert np.all(np.diff(res["steps"]) == 1)
