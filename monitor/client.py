@@ -158,6 +158,17 @@ class TimwatchClient:
         r = self._check(self.http.get(f"/v1/runs/{run}/diagnosis", params=params))
         return loads(r.content)
 
+    def compare(
+        self, a: str, b: str, *, from_step: int | None = None, to_step: int | None = None,
+        seed: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
+        """``GET /v1/compare?a=&b=``: B against A, ratios with bootstrap intervals, verdict."""
+        params: dict[str, Any] = {"a": a, "b": b, "seed": seed}
+        params.update(
+            {k: v for k, v in (("from_step", from_step), ("to_step", to_step)) if v is not None}
+        )
+        return loads(self._check(self.http.get("/v1/compare", params=params)).content)
+
     def step(self, run: str, step: int) -> dict[str, Any]:
         return loads(self._check(self.http.get(f"/v1/runs/{run}/steps/{step}")).content)
 

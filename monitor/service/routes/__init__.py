@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import diagnosis, history, ingest, masks, ops, report
+from . import compare, diagnosis, history, ingest, masks, ops, report
 
 __all__ = ["ROUTERS"]
 
 ROUTERS: tuple[APIRouter, ...] = (
-    ingest.router, masks.router, history.router, diagnosis.router, report.router,
+    ingest.router, masks.router, history.router, diagnosis.router, compare.router, report.router,
     ops.router,
 )  # fmt: skip
