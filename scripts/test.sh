@@ -55,6 +55,8 @@ PY="${PYTHON:-python3}"
 # real verl for the trainer plug-in's tests, without its own requirements (they would replace
 # torch==2.13.0): only what its imports need, pinned (tests/requirements-verl.txt)
 .venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt
+# the JUnit schema the gate's XML is validated against (pinned by commit and sha256)
+bash .ci/junit-xsd.sh >/dev/null
 # numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
 # the background while the rest is installed and the linters run): otherwise the first
 # processes of both workers compile the same kernels at once, each taking over a minute, while

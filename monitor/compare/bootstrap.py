@@ -7,7 +7,8 @@ the same interval; ``lo ≤ point ≤ hi`` whenever both quantiles are finite (t
 ``mean(b) / mean(a)``, is clamped into the interval, as a percentile interval can miss it by a
 hair on skewed samples); swapping ``a`` and ``b`` inverts the point and the interval exactly
 (``lo(b, a) = 1/hi(a, b)``): the two samples draw their resamples in an order fixed by their
-content, not by their argument position, and the quantiles are symmetric order statistics.
+content, not by their argument position (a sample compared with itself counts both orders),
+and the quantiles are symmetric order statistics.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def ratio_interval(
         ma = resample_means(xa, draws, rng)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = np.where(ma == 0.0, np.where(mb == 0.0, np.nan, np.inf), mb / ma)
+    if len(xa) == len(xb) and xa.tobytes() == xb.tobytes():
+        # the same sample twice: which one drew first is arbitrary, so both orders count
+        with np.errstate(divide="ignore", invalid="ignore"):
+            inverse = np.where(mb == 0.0, np.where(ma == 0.0, np.nan, np.inf), ma / mb)
+        ratios = np.concatenate([ratios, inverse])
     ratios = ratios[~np.isnan(ratios)]
     if not len(ratios):
         return Interval(point, math.nan, math.nan, len(xa), len(xb))
