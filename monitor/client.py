@@ -140,11 +140,15 @@ class TimwatchClient:
         return r.text if csv else loads(r.content)
 
     def report_html(
-        self, run: str, *, from_step: int | None = None, to_step: int | None = None
-    ) -> str:
-        """The report page of ``run`` (``GET /v1/runs/{run}/report.html``), inclusive range."""
+        self, run: str, *, from_step: int | None = None, to_step: int | None = None,
+        against: str | None = None,
+    ) -> str:  # fmt: skip
+        """The report page of ``run`` (``GET /v1/runs/{run}/report.html``), inclusive range;
+        ``against``: with the comparison against that run."""
         params = {
-            k: v for k, v in (("from_step", from_step), ("to_step", to_step)) if v is not None
+            k: v
+            for k, v in (("from_step", from_step), ("to_step", to_step), ("against", against))
+            if v is not None
         }
         return self._check(self.http.get(f"/v1/runs/{run}/report.html", params=params)).text
 
