@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.helpers.demo_batches import write_demo_run
@@ -157,3 +158,30 @@ def test_compare_from_files_and_from_a_server_agree(
     assert "worse" in files["verdict"] and "precision:" in files["verdict"]
     assert f'<h2 id="compare">Compared with <code>{names["fp32-a"]}</code></h2>' in page
     assert "<th>metric</th>" in page and "<strong>" in page
+
+
+def test_compare_api_bad_input_names_it(shared_server: ServerProc) -> None:
+    from tests.helpers.diagnosis_batches import labelled_batch
+
+    run = fresh_run("cmp-api")
+    with shared_server.client() as c:
+        for step in range(3):
+            assert c.post(f"/v1/runs/{run}/batches", json=labelled_batch("stale", step)).is_success
+        ok = c.get("/v1/compare", params={"a": run, "b": run})
+        assert ok.status_code == 200, ok.text
+        body = ok.json()
+        assert body["rough"] is True and body["verdict"].endswith("no clear difference")
+        assert body["markdown"].startswith(f"**{run}'s mismatch_kl is 1")
+        cases = [
+            ({"a": run, "b": "nope-x"}, 404, "nope-x"),
+            ({"a": run, "b": run, "from_step": 3, "to_step": 1}, 422, "after to_step"),
+            ({"a": run, "b": run, "from_step": 100}, 422, "no steps"),
+            ({"a": run, "b": run, "seed": -1}, 422, "seed"),
+            ({"a": run}, 422, "b"),
+        ]
+        for params, status, word in cases:
+            r = c.get("/v1/compare", params=params)
+            assert r.status_code == status, (params, r.text)
+            assert word in r.text, (params, r.text)
+    with httpx.Client(base_url=shared_server.url) as anon:
+        assert anon.get("/v1/compare", params={"a": run, "b": run}).status_code == 401
