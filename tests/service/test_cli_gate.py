@@ -172,7 +172,7 @@ def test_compare_api_bad_input_names_it(shared_server: ServerProc) -> None:
         body = ok.json()
         assert body["rough"] is True and body["verdict"].endswith("no clear difference")
         assert body["markdown"].startswith(f"**{run}'s mismatch_kl is 1")
-        cases = [
+        cases: list[tuple[dict[str, str | int], int, str]] = [
             ({"a": run, "b": "nope-x"}, 404, "nope-x"),
             ({"a": run, "b": run, "from_step": 3, "to_step": 1}, 422, "after to_step"),
             ({"a": run, "b": run, "from_step": 100}, 422, "no steps"),
