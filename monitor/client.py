@@ -181,11 +181,15 @@ class TimwatchClient:
         return loads(self._check(r).content)
 
     def report_html(
-        self, run: str, *, from_step: int | None = None, to_step: int | None = None
-    ) -> str:
-        """The report page of ``run`` (``GET /v1/runs/{run}/report.html``), inclusive range."""
+        self, run: str, *, from_step: int | None = None, to_step: int | None = None,
+        against: str | None = None,
+    ) -> str:  # fmt: skip
+        """The report page of ``run`` (``GET /v1/runs/{run}/report.html``), inclusive range;
+        ``against``: with the comparison against that run."""
         params = {
-            k: v for k, v in (("from_step", from_step), ("to_step", to_step)) if v is not None
+            k: v
+            for k, v in (("from_step", from_step), ("to_step", to_step), ("against", against))
+            if v is not None
         }
         return self._check(self.http.get(f"/v1/runs/{run}/report.html", params=params)).text
 
@@ -198,6 +202,17 @@ class TimwatchClient:
         }
         r = self._check(self.http.get(f"/v1/runs/{run}/diagnosis", params=params))
         return loads(r.content)
+
+    def compare(
+        self, a: str, b: str, *, from_step: int | None = None, to_step: int | None = None,
+        seed: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
+        """``GET /v1/compare?a=&b=``: B against A, ratios with bootstrap intervals, verdict."""
+        params: dict[str, Any] = {"a": a, "b": b, "seed": seed}
+        params.update(
+            {k: v for k, v in (("from_step", from_step), ("to_step", to_step)) if v is not None}
+        )
+        return loads(self._check(self.http.get("/v1/compare", params=params)).content)
 
     def step(self, run: str, step: int) -> dict[str, Any]:
         return loads(self._check(self.http.get(f"/v1/runs/{run}/steps/{step}")).content)

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from .monitor.cli.analyze import analyze
+from .monitor.cli.compare import compare, gate
 from .monitor.cli.dashboards import dashboards_app
 from .monitor.cli.diagnose import diagnose
 from .monitor.cli.history import history_app
@@ -53,5 +54,7 @@ app.command("analyze")(analyze)
 app.command("finish")(finish)
 app.registered_commands.extend(history_app.registered_commands)
 app.command("diagnose")(diagnose)
+app.command("compare")(compare)
+app.command("gate")(gate)
 app.add_typer(dashboards_app, name="dashboards", help="Grafana dashboards.")
 app.add_typer(sidecar_app, name="sidecar", help="Collectors in front of rollout engines.")

@@ -282,19 +282,30 @@ def report(
     to_step: Annotated[
         int | None, typer.Option(help="with --html: last step, inclusive (default: the last)")
     ] = None,
+    against: Annotated[
+        str | None,
+        typer.Option(
+            metavar="RUN",
+            show_default=False,
+            help="with --html: open the page with RUN compared against (timwatch compare)",
+        ),
+    ] = None,
 ) -> None:
     """Summarise RUN's headline metrics over its whole history (--html FILE: write the
     incident report page instead)."""
     if html is not None:
-        page = ask(url, token, lambda c: c.report_html(run, from_step=from_step, to_step=to_step))
+        page = ask(
+            url, token,
+            lambda c: c.report_html(run, from_step=from_step, to_step=to_step, against=against),
+        )  # fmt: skip
         try:
             html.write_text(page, encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot write --html {str(html)!r}: {exc.strerror}") from None
         sys.stdout.write(f"wrote {html} ({len(page.encode()):,} bytes)\n")  # unwrapped: a path
         return
-    if from_step is not None or to_step is not None:
-        raise ConfigError("--from-step and --to-step go with --html FILE")
+    if from_step is not None or to_step is not None or against is not None:
+        raise ConfigError("--from-step, --to-step and --against go with --html FILE")
     res = ask(url, token, lambda c: c.metrics(run, REPORT_METRICS))
     summary = {m: summarize(res["steps"], res["series"][m]) for m in REPORT_METRICS}
     if json:

@@ -40,7 +40,19 @@ EXTRAS: dict[str, frozenset[str]] = {
 #: command of the ``timwatch`` program (its first word) → the extra it needs
 COMMANDS: dict[str, str] = {
     **dict.fromkeys(
-        ("serve", "analyze", "finish", "runs", "query", "show", "report", "diagnose"), "server"
+        (
+            "serve",
+            "analyze",
+            "finish",
+            "runs",
+            "query",
+            "show",
+            "report",
+            "diagnose",
+            "compare",
+            "gate",
+        ),
+        "server",
     ),
     "sidecar": "proxy",
     "dashboards": "dashboards",

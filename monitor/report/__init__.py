@@ -23,11 +23,26 @@ def build_report(
     from_step: int | None = None,
     to_step: int | None = None,
     token_text: TokenText = None,
+    against: str | None = None,
 ) -> str:
     """The report page of ``run`` over the inclusive step range; `LookupError` for an unknown
-    run, `StoreUnavailable` when the store fails."""
+    run, `StoreUnavailable` when the store fails. With ``against`` (a run), the page opens with
+    ``run`` compared against it (`timwatch.monitor.compare`; `LookupError` when unknown)."""
     from .data import gather
     from .html import render
 
     data = gather(store, run, from_step=from_step, to_step=to_step)
-    return render(data, token_text=token_text)
+    comparison = None
+    if against is not None:
+        from ..compare import compare_series, comparison_markdown
+        from ..diagnosis import load_series
+
+        if not store.run_exists(against):
+            raise LookupError(against)
+        a = load_series(store, against, from_step, to_step)
+        b = load_series(store, run, from_step, to_step)
+        if len(a) and len(b):
+            comparison = (against, comparison_markdown(compare_series(a, b)))
+        else:
+            comparison = (against, "_no steps to compare in the range asked_")
+    return render(data, token_text=token_text, comparison=comparison)

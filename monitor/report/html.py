@@ -251,8 +251,22 @@ def _worst(data: ReportData, token_text: TokenText) -> str:
     return f'<p class="note">{note}</p>' + _table(head, rows)
 
 
-def render(data: ReportData, *, token_text: TokenText = None, now: float | None = None) -> str:
-    """The whole page for `data`."""
+def comparison_section(against: str, md: str) -> str:
+    """The comparison with run ``against``: its Markdown (`compare.formats`) as HTML."""
+    from ..compare.formats import markdown_html
+
+    return (
+        f'<h2 id="compare">Compared with <code>{_e(against)}</code></h2>'
+        f'<p class="note">B = this run, A = {_e(against)}; B/A with a 95 % bootstrap interval '
+        f"over steps (docs/compare.md).</p>" + markdown_html(md)
+    )
+
+
+def render(
+    data: ReportData, *, token_text: TokenText = None, now: float | None = None,
+    comparison: tuple[str, str] | None = None,
+) -> str:  # fmt: skip
+    """The whole page for `data` (with ``comparison`` = (run A, Markdown): that section first)."""
     when = datetime.fromtimestamp(
         now if now is not None else datetime.now(timezone.utc).timestamp(), tz=timezone.utc
     ).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -271,6 +285,7 @@ def render(data: ReportData, *, token_text: TokenText = None, now: float | None 
         f"<h1>timwatch incident report: <code>{_e(data.run)}</code></h1>",
         f'<p class="meta">{data.total_steps} steps, {_e(span)}{asked} · generated {when}'
         f"{' · finished' if finished else ''}{' · tags: ' + _e(tags) if tags else ''}</p>",
+        comparison_section(*comparison) if comparison else "",
         '<h2 id="diagnosis">Diagnosis</h2>',
         diagnosis_section(data.diagnosis, data.diagnosis_note),
         '<h2 id="series">Series</h2>',

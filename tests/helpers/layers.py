@@ -49,13 +49,17 @@ LAYERS: tuple[Layer, ...] = (
     Layer(f"{_M}.client", "`TimwatchClient` (httpx)", (_CORE,)),
     Layer(f"{_M}.diagnosis", "ranked causes of a mismatch from a run's history (rules, "
           "verdict)", (_CORE, _STORE)),
-    Layer(f"{_M}.report", "the incident report: one self-contained HTML page, its figures",
+    Layer(f"{_M}.compare", "two runs compared and a run gated against a baseline: bootstrap, "
+          "comparison and verdict, baseline file, gate, batch-file runs, JUnit XML and Markdown",
           (_CORE, _STORE, f"{_M}.diagnosis")),
+    Layer(f"{_M}.report", "the incident report: one self-contained HTML page, its figures",
+          (_CORE, _STORE, f"{_M}.diagnosis", f"{_M}.compare")),
     Layer(f"{_M}.service", "the FastAPI app (`create_app`), exporter, run registry, settings, "
-          "`serve`", (_CORE, _STORE, f"{_M}.diagnosis", f"{_M}.report")),
-    Layer(f"{_M}.cli", "`analyze`, `serve`, diagnose, report, history and dashboard commands",
-          (_CORE, f"{_M}.diagnosis", f"{_M}.client", f"{_M}.service", _STORE, f"{_M}.report",
-           "timwatch.dashboards")),
+          "`serve`", (_CORE, _STORE, f"{_M}.diagnosis", f"{_M}.compare", f"{_M}.report")),
+    Layer(f"{_M}.cli", "`analyze`, `serve`, diagnose, report, compare, gate, history and "
+          "dashboard commands",
+          (_CORE, f"{_M}.diagnosis", f"{_M}.compare", f"{_M}.client", f"{_M}.service", _STORE,
+           f"{_M}.report", "timwatch.dashboards")),
     Layer("timwatch.dashboards", "Grafana dashboards as code and their generator"),
     Layer(_TAP, "the trainer `Tap` and its shipper (stdlib `http.client` only)", (_CORE,)),
     Layer(f"{_S}.proxy", "SGLang and vLLM proxies: `http/` (the one upstream client, "

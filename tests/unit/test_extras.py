@@ -56,6 +56,7 @@ AREAS: list[tuple[str, tuple[str, ...]]] = [
     ("monitor/service/", ("server",)),
     ("monitor/client.py", ("server",)),
     ("monitor/diagnosis/", ("server",)),
+    ("monitor/compare/", ("server",)),
     ("monitor/report/", ("report", "server")),
     ("monitor/cli/dashboards.py", ("dashboards",)),
     ("monitor/cli/", ("server",)),

@@ -11,7 +11,9 @@ naming it.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse
 
 from ...core.errors import ApiError
@@ -40,6 +42,9 @@ def report_html(
     request: Request,
     from_step: StepQuery = None,
     to_step: StepQuery = None,
+    against: Annotated[
+        str | None, Query(description="compare with this run (a section at the top)")
+    ] = None,
 ) -> HTMLResponse:
     check_step_range(from_step, to_step)
     if check_run_id(run):
@@ -47,10 +52,11 @@ def report_html(
     try:
         page = build_report(
             store, run, from_step=from_step, to_step=to_step,
-            token_text=getattr(request.app.state, "token_text", None),
+            token_text=getattr(request.app.state, "token_text", None), against=against,
         )  # fmt: skip
-    except LookupError:
-        raise ApiError(404, f"run {run[:200]!r} not found") from None
+    except LookupError as exc:
+        missing = against if against is not None and exc.args == (against,) else run
+        raise ApiError(404, f"run {missing[:200]!r} not found") from None
     except ModuleNotFoundError as exc:  # matplotlib: the server was installed without [report]
         extra = extra_for(exc.name or "")
         if extra is None:

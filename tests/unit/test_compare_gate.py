@@ -1,0 +1,163 @@
+"""The gate (monitor/compare/gate.py), its baseline file, its JUnit XML (validated against the
+Jenkins/Ant JUnit schema with xmlschema) and Markdown, and the comparison's verdict, on
+synthetic step series with hand-computed figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from timwatch.monitor.compare import (
+    Baseline,
+    MetricBaseline,
+    compare_series,
+    comparison_markdown,
+    gate,
+    junit_xml,
+    markdown,
+    markdown_html,
+)
+from timwatch.monitor.compare.gate import Z, make_baseline
+from timwatch.monitor.core.errors import InputError
+from timwatch.monitor.diagnosis import StepSeries
+
+#: junit-10.xsd of jenkinsci/xunit-plugin at commit 8c515de2 (MIT, its notice inside the file):
+#: the Jenkins/Ant JUnit schema CI systems read
+XSD = Path(__file__).resolve().parents[1] / "fixtures" / "junit-10.xsd"
+
+
+def series(run: str, kl: list[float], **cols: list[float]) -> StepSeries:
+    return StepSeries.build(run, list(range(len(kl))), {"mismatch_kl": kl, **cols})
+
+
+def test_limit_and_verdict_hand_computed() -> None:
+    # baseline: mean 2, sd 1 over 4 steps (values 1, 2, 2, 3: sample variance 2/3 → sd 0.8165)
+    base = make_baseline(series("a", [1.0, 2.0, 2.0, 3.0]), model="m", engine="e")
+    b = base.metrics["mismatch_kl"]
+    assert (b.mean, b.n) == (2.0, 4)
+    assert b.sd == pytest.approx(math.sqrt(2 / 3), rel=1e-15)
+    # candidate 3, 3, 3, 3: sd 0 → noise = 3·√(2/3/4) = 1.2247; bound max(2·1.5, 2+0) = 3
+    res = gate(series("b", [3.0] * 4), base)
+    c = res.checks[0]
+    assert c.noise == pytest.approx(Z * math.sqrt((2 / 3) / 4), rel=1e-15)
+    assert c.limit == pytest.approx(3.0 + 1.224744871391589, rel=1e-12)
+    assert res.passed and res.exit_code == 0
+    # 4.3 is above 4.2247: fails
+    res = gate(series("c", [4.3] * 4), base)
+    assert not res.passed and res.exit_code == 1
+    # an absolute allowance wider than the ratio decides: max(2·1.5, 2+3) = 5
+    wide = Baseline("m", "e", "a", (0, 3), {"mismatch_kl": MetricBaseline(2.0, 0.0, 4, 1.5, 3.0)})
+    assert gate(series("c", [4.3] * 4), wide).passed
+    assert not gate(series("c", [5.01] * 4), wide).passed
+
+
+def test_errors_name_the_problem(tmp_path: Path) -> None:
+    base = make_baseline(series("a", [1.0, 2.0]), model="m", engine="e")
+    with pytest.raises(InputError, match="engine 'e', the run is engine 'vllm'"):
+        gate(series("b", [1.0]), base, model="m", engine="vllm")
+    with pytest.raises(InputError, match="no steps"):
+        gate(series("b", []), base)
+    with pytest.raises(InputError, match="has no value of 'mismatch_kl'"):
+        gate(StepSeries.build("b", [0], {"mismatch_kl": [None]}), base)
+    with pytest.raises(InputError, match="unknown metric 'kl'"):
+        make_baseline(series("a", [1.0]), model="m", engine="e", metrics=["kl"])
+
+
+def test_baseline_file_round_trip_and_refusals(tmp_path: Path) -> None:
+    base = make_baseline(series("a", [1.0, 2.0, 4.0]), model="m", engine="e", max_abs=0.5)
+    path = tmp_path / "b.json"
+    base.dump(path)
+    assert Baseline.load(path) == base
+    good = json.loads(path.read_text())
+    cases = {
+        "format": {**good, "format": "other/1"},
+        "model": {**good, "model": ""},
+        "steps": {**good, "steps": [0]},
+        "metrics.mismatch_kl.sd": {
+            **good, "metrics": {"mismatch_kl": {**good["metrics"]["mismatch_kl"], "sd": "x"}}
+        },
+        "metrics.mismatch_kl.n": {
+            **good, "metrics": {"mismatch_kl": {**good["metrics"]["mismatch_kl"], "n": 0}}
+        },
+    }  # fmt: skip
+    for field, obj in cases.items():
+        path.write_text(json.dumps(obj))
+        with pytest.raises(InputError, match=field.replace(".", r"\.")):
+            Baseline.load(path)
+    path.write_text('{"format": "timwatch-base')  # truncated
+    with pytest.raises(InputError, match="not JSON"):
+        Baseline.load(path)
+    with pytest.raises(InputError, match="No such file"):
+        Baseline.load(tmp_path / "missing.json")
+
+
+def _results() -> tuple[object, object]:
+    base = make_baseline(
+        series("fp32", [1e-9, 2e-9, 1.5e-9], seq_log_ratio_abs_mean=[1e-4, 2e-4, 1e-4]),
+        model="tiny <llama>", engine="vllm & co",
+    )  # fmt: skip
+    ok = gate(series("fp32-b", [1e-9] * 3, seq_log_ratio_abs_mean=[1e-4] * 3), base)
+    bad = gate(series("bf16", [1e-3] * 3, seq_log_ratio_abs_mean=[1e-4] * 3), base)
+    return ok, bad
+
+
+def test_junit_xml_validates_against_the_junit_schema() -> None:
+    import xml.etree.ElementTree as ET
+
+    import xmlschema
+
+    schema = xmlschema.XMLSchema(str(XSD))
+    ok, bad = _results()
+    for res, failures in ((ok, 0), (bad, 1)):
+        doc = junit_xml(res)  # type: ignore[arg-type]
+        schema.validate(doc)  # raises on any violation
+        suite = ET.fromstring(doc).find("testsuite")
+        assert suite is not None
+        assert suite.get("tests") == "2" and suite.get("failures") == str(failures)
+        cases = suite.findall("testcase")
+        assert [c.get("name") for c in cases] == ["mismatch_kl", "seq_log_ratio_abs_mean"]
+        assert [c.find("failure") is not None for c in cases] == [failures == 1, False]
+    # the schema does reject what it should: a testcase without its name
+    broken = junit_xml(bad).replace('name="mismatch_kl"', "")  # type: ignore[arg-type]
+    assert not schema.is_valid(broken)
+
+
+def test_markdown_and_its_html() -> None:
+    ok, bad = _results()
+    md = markdown(bad)  # type: ignore[arg-type]
+    assert md.startswith("**timwatch gate: FAIL**")
+    assert "| mismatch_kl | 0.001 | 1.5e-09 | 666667× |" in md
+    assert markdown(ok).startswith("**timwatch gate: PASS**")  # type: ignore[arg-type]
+    html = markdown_html(md)
+    assert "<strong>timwatch gate: FAIL</strong>" in html
+    assert "<th>metric</th>" in html and '<td style="text-align:right">0.001</td>' in html
+    assert "tiny &lt;llama&gt; on vllm &amp; co" in html  # escaped
+    assert html.count("<tr>") == 3  # header + two metrics
+
+
+def test_comparison_verdict_and_where() -> None:
+    lb = {"length_buckets": {"2": {"tokens": 100, "mismatch_kl": 1e-4},
+                             "9": {"tokens": 100, "mismatch_kl": 1e-4}}}  # fmt: skip
+    lb_b = {"length_buckets": {"2": {"tokens": 100, "mismatch_kl": 2e-4},
+                               "9": {"tokens": 100, "mismatch_kl": 5e-3}}}  # fmt: skip
+    a = StepSeries.build("A", range(10), {"mismatch_kl": [1e-4] * 10}, {0: lb})
+    b = StepSeries.build(
+        "B", range(10), {"mismatch_kl": list(np.linspace(1.2e-3, 1.6e-3, 10))}, {0: lb_b}
+    )
+    cmp = compare_series(a, b)
+    m = cmp.metric("mismatch_kl")
+    assert m.interval is not None and m.interval.point == pytest.approx(14.0, rel=1e-12)
+    assert 12 < m.interval.lo < 14 < m.interval.hi < 16
+    assert cmp.metric("discrepancy_kl").interval is None  # neither run has it
+    assert cmp.verdict.startswith("B's mismatch_kl is 14× A's (")
+    # the 512–1023 bucket is 50×, over 1.5 × the overall 14×: named as where the excess sits
+    assert "concentrated at lengths 512–1023 (50×)" in cmp.verdict
+    assert [w.label for w in cmp.where] == ["lengths 4–7", "lengths 512–1023"]
+    same = compare_series(a, a)
+    assert same.verdict.endswith("no clear difference")
+    md = comparison_markdown(cmp)
+    assert "| mismatch_kl | 0.0001 | 0.0014 | 14× |" in md
