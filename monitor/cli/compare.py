@@ -23,33 +23,13 @@ from ..client import DEFAULT_URL
 from ..core.errors import ConfigError, InputError
 from ..core.jsoncodec import dumps
 from ..core.runid import check_run_id
+from ..diagnosis.series import SERIES_COLUMNS
 from .history import JsonOpt, TokenOpt, UrlOpt, ask
 
 if TYPE_CHECKING:
     from ..diagnosis import StepSeries
 
 __all__ = ["compare", "gate"]
-
-#: the columns the gate reads (`timwatch.monitor.diagnosis.series.SERIES_COLUMNS`; checked
-#: equal by tests/service/test_cli_gate.py, repeated so the program starts without numba)
-SERIES_COLUMNS = (
-    "tokens",
-    "mismatch_kl",
-    "discrepancy_kl",
-    "staleness_kl",
-    "entropy_mean",
-    "entropy_delta_corr",
-    "noise_scale",
-    "version_lag_mean",
-    "version_lag_max",
-    "intra_switch_ratio",
-    "token_id_mismatch_ratio",
-    "teacher_hard_ratio",
-    "teacher_soft_ratio",
-    "seq_log_ratio_abs_mean",
-    "mask_ratio_estr",
-    "mask_ratio_delta_abs",
-)
 
 BatchesOpt = Annotated[
     Path | None,

@@ -17,8 +17,6 @@ import pytest
 from tests.helpers.demo_batches import write_demo_run
 from tests.helpers.procs import REPO, SHARED_READ_TOKEN, ServerProc
 from tests.helpers.wire import fresh_run
-from timwatch.monitor.cli import compare as cli_compare
-from timwatch.monitor.diagnosis.series import SERIES_COLUMNS
 
 STEPS = 8
 ID = ["--model", "tiny-lm", "--engine", "embedded"]
@@ -50,10 +48,6 @@ def baseline(runs: Path) -> Path:
     assert p.returncode == 0, p.stderr
     assert f"wrote baseline {path}" in p.stdout
     return path
-
-
-def test_the_cli_reads_the_columns_the_diagnosis_reads() -> None:
-    assert cli_compare.SERIES_COLUMNS == SERIES_COLUMNS
 
 
 def test_fp32_passes_bf16_fails_against_the_fp32_baseline(
