@@ -65,7 +65,12 @@ LAYERS: tuple[Layer, ...] = (
     Layer(f"{_S}.proxy", "SGLang and vLLM proxies: `http/` (the one upstream client, "
           "de-chunking, forwarding, the relay), `sglang/`, `vllm/`, `native/` (the C stream "
           "reader), `join/`, capture and records", (_CORE, _TAP)),
-    Layer(f"{_S}.integrations", "verl, slime and TRL plug-ins", (_CORE, _TRAINER, _TAP)),
+    Layer(
+        f"{_S}.integrations",
+        "plug-ins for verl, slime, TRL, OpenRLHF, AReaL and SkyRL; hooks into trainers' loggers "
+        "(`loggers`)",
+        (_CORE, _TRAINER, _TAP),
+    ),
     Layer(f"{_S}.demo", "`timwatch demo`", (_CORE, _TRAINER, _STORE, f"{_M}.service", _TAP)),
     Layer(f"{_S}.cli", "`timwatch sidecar …`", (_CORE, f"{_S}.proxy")),
     Layer(_M, "façade: lazy re-exports of the layers below it", (f"{_M}.*",)),
