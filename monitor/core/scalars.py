@@ -233,6 +233,10 @@ _OPENRLHF = {
     "actor_lr": "learning_rate",
     "reward": "reward_mean",
     "response_length": "response_length_mean",
+    "rollout/reward_std": "reward_std",
+    "actor_grad_norm": "grad_norm",
+    "entropy_loss": "entropy",
+    "is_filter_ratio": "correction_masked_fraction",
 }
 
 # AReaL decoupled PPO (stats_tracker under ppo_actor/update): behave_imp_weight = e^(prox − μ)

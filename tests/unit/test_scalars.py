@@ -85,6 +85,10 @@ OPENRLHF_EXPECTED = {
     "actor_lr": "learning_rate",
     "reward": "reward_mean",
     "response_length": "response_length_mean",
+    "rollout/reward_std": "reward_std",
+    "actor_grad_norm": "grad_norm",
+    "entropy_loss": "entropy",
+    "is_filter_ratio": "correction_masked_fraction",
 }
 # AReaL: stats_tracker keys of ppo_actor/update (decoupled PPO's behave_* statistics)
 AREAL_EXPECTED = {
