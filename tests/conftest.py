@@ -19,11 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests.helpers import logs
 from tests.helpers.pg import fresh_database
 from tests.helpers.procs import ServerProc, free_port, server_env, shared_server_proc
 
 if TYPE_CHECKING:  # the app's modules load on first use, not for every test session
     from tests.helpers.inproc import InProcessApp
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_found() -> None:
+    """The process's logging manager back before every test (`tests.helpers.logs`: AReaL
+    replaces it when its code runs)."""
+    logs.restore()
 
 
 @pytest.fixture

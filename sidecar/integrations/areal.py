@@ -174,14 +174,28 @@ def _rank(engine: Any) -> tuple[int, bool]:
         return int(os.environ.get("RANK", "0")), True
 
 
+def _reenable_loggers(manager: logging.Manager) -> None:
+    """Undo what importing AReaL does to timwatch's loggers made before it: its
+    ``areal.utils.logging`` runs ``logging.config.dictConfig`` with
+    ``disable_existing_loggers=True`` (and swaps in a new logging manager), which silences
+    every ``timwatch.*`` logger of ``manager`` (the tap's drop warnings among them). Those are
+    switched back on; AReaL's own configuration stays."""
+    for name, logger in list(manager.loggerDict.items()):
+        if name.startswith("timwatch") and isinstance(logger, logging.Logger):
+            logger.disabled = False
+
+
 def install(module: Any = None) -> bool:
     """Wrap `_compute_advantages`, `grpo_loss_fn` and `ppo_update` of AReaL's PPO actor module
     (`areal.trainer.ppo.actor` by default); False without AReaL. Idempotent."""
     if module is None:
+        manager = logging.Logger.manager
         try:
             module = importlib.import_module("areal.trainer.ppo.actor")
         except ImportError:
             return False
+        finally:
+            _reenable_loggers(manager)
     module.grpo_loss_fn = wrap_loss(module.grpo_loss_fn)
     cls = module.PPOActor
     if getattr(cls, "_timwatch_hooked", False):

@@ -19,9 +19,11 @@ Written here instead of OpenRLHF's:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import sys
 import types
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,6 +35,21 @@ VOCAB, PROMPT, ACTIONS = 16, 3, 5
 
 def _refuse(*_a: Any, **_k: Any) -> Any:
     raise RuntimeError("import-only stand-in called (see tests/helpers/openrlhf_tiny.py)")
+
+
+@contextlib.contextmanager
+def import_stand_ins() -> Iterator[None]:
+    """`install_import_stand_ins` for the duration of the block, then removed from
+    ``sys.modules`` again: the rest of the test process (verl's tests share the worker) must see
+    no flash_attn or vllm. OpenRLHF modules imported inside keep what they took from them."""
+    before = set(sys.modules)
+    install_import_stand_ins()
+    try:
+        yield
+    finally:
+        for name in sorted(set(sys.modules) - before, reverse=True):
+            if getattr(sys.modules[name], "_timwatch_stand_in", False):
+                del sys.modules[name]
 
 
 def install_import_stand_ins() -> None:

@@ -26,11 +26,14 @@ else:
     pytest.importorskip("areal")
 
 from tests.helpers import areal_tiny as at
+from tests.helpers import logs
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.reference import reference
 from tests.helpers.verl_tiny import TinyModel
 from tests.helpers.wire import fresh_run
 from timwatch.sidecar.integrations import areal as plugin
+
+logs.restore()  # importing AReaL replaced the process's logging manager
 
 SAVE_FREQ = 3
 

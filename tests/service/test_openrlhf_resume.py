@@ -13,6 +13,7 @@ the tiny model's weights and DeepSpeed's `latest` tag file, in OpenRLHF's `{ckpt
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,18 @@ else:
     pytest.importorskip("openrlhf")
 
 from tests.helpers import openrlhf_tiny as ot
-
-ot.install_import_stand_ins()
-
 from tests.helpers.procs import SHARED_TOKEN, ServerProc  # noqa: E402
 from tests.helpers.reference import reference  # noqa: E402
 from tests.helpers.wire import fresh_run  # noqa: E402
 from timwatch.sidecar.integrations import openrlhf as plugin  # noqa: E402
 
 SAVE_STEPS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _import_stand_ins() -> Iterator[None]:
+    with ot.import_stand_ins():
+        yield
 
 
 def packed(expected: list[list[tuple[float, float, float]]]) -> dict[str, Any]:

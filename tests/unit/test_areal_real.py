@@ -20,8 +20,11 @@ else:
     pytest.importorskip("areal")
 
 from tests.helpers import areal_tiny as at
+from tests.helpers import logs
 from tests.helpers.verl_tiny import TinyModel
 from timwatch.sidecar.integrations import areal as plugin
+
+logs.restore()  # importing AReaL replaced the process's logging manager
 
 
 class RecordingTap:

@@ -10,6 +10,7 @@ CUDA-only `flash_attn` and for `vllm`, the DeepSpeed strategy, the trainer's con
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,14 @@ else:
     pytest.importorskip("openrlhf")
 
 from tests.helpers import openrlhf_tiny as ot
-
-ot.install_import_stand_ins()
-
 from timwatch.sidecar.integrations import openrlhf as plugin  # noqa: E402
 from timwatch.sidecar.integrations.verl_loss import TimwatchTracking  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _import_stand_ins() -> Iterator[None]:
+    with ot.import_stand_ins():
+        yield
 
 
 class RecordingTap:

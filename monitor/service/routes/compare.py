@@ -29,7 +29,11 @@ router = APIRouter(tags=["history"], dependencies=[Depends(require_read)])
     "95 % percentile bootstrap interval over steps (`seed` fixes the resampling), the length "
     "and version-lag buckets both runs have, b's worst tokens, one verdict line that names a "
     "diagnosis cause firing in b and not in a, and the same as Markdown (docs/compare.md).",
-    responses={404: {"description": "unknown run"}, 422: {"description": "bad range or no steps"}},
+    responses={
+        401: {"description": "a read token is set and was not sent"},
+        404: {"description": "unknown run"},
+        422: {"description": "bad range or no steps"},
+    },
 )
 def get_compare(
     store: StoreDep,
