@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ _SAMPLE = re.compile(r"\{([^}]*)\}\s+([-+0-9.eE]+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-def _test_file(series: list[dict[str, float]], rules: Path) -> dict[str, Any]:
+def _test_file(series: list[dict[str, float]], rules: Path | Sequence[Path]) -> dict[str, Any]:
     names = list(dict.fromkeys(k for snap in series for k in snap))
     inputs = [
         {"series": name, "values": " ".join(_fmt(snap.get(name)) for snap in series)}
@@ -36,7 +37,7 @@ def _test_file(series: list[dict[str, float]], rules: Path) -> dict[str, Any]:
     end = (len(series) - 1) * MINUTES_PER_STEP
     expr = f'min_over_time(timestamp(ALERTS{{alertstate="firing"}})[{end}m:1m])'
     return {
-        "rule_files": [str(rules)],
+        "rule_files": [str(rules)] if isinstance(rules, Path) else [str(r) for r in rules],
         "evaluation_interval": "1m",
         "tests": [
             {
@@ -53,9 +54,13 @@ def _fmt(v: float | None) -> str:
 
 
 def first_firings(
-    series: list[dict[str, float]], rules: Path = RULES, promtool: str = "promtool"
+    series: list[dict[str, float]],
+    rules: Path | Sequence[Path] = RULES,
+    promtool: str = "promtool",
 ) -> list[dict[str, Any]]:
-    """Every alert that fired, once per label set: alertname, severity, policy, first step."""
+    """Every alert that fired, once per label set: alertname, severity, policy, first step.
+    ``rules``: one rules file, or several evaluated together (a candidate group reading the
+    shipped file's recording rules)."""
     exe = shutil.which(promtool)
     if exe is None:
         raise RuntimeError("promtool is not installed (apt-get install prometheus)")

@@ -2,8 +2,9 @@
 
 After each step the lab flushes the tap and reads /metrics; `snapshot` keeps the run's samples of
 the additive families the shipped rules read (counters, summary `_sum`/`_count`, histogram
-buckets). Gauges are left out: the replay maps steps onto a synthetic clock, on which a Unix-time
-gauge (`timwatch_last_batch_timestamp_seconds`) means nothing, so TimwatchIngestStalled is not
+buckets) and the trainer's step scalars (``timwatch_scalar_*`` gauges, the step's values). Other
+gauges are left out: the replay maps steps onto a synthetic clock, on which a Unix-time gauge
+(`timwatch_last_batch_timestamp_seconds`) means nothing, so TimwatchIngestStalled is not
 replayed.
 """
 
@@ -18,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["FAMILIES", "LabServer", "snapshot"]
+__all__ = ["FAMILIES", "SCALARS", "LabServer", "snapshot"]
 
 FAMILIES = (
     "timwatch_token_kl_sum", "timwatch_token_kl_count",
@@ -30,6 +31,8 @@ FAMILIES = (
     "timwatch_token_id_mismatched_tokens_total", "timwatch_token_id_checked_tokens_total",
     "timwatch_token_version_lag_bucket",
 )  # fmt: skip
+# the trainer's step scalars (`Tap.log`), gauges holding the step's value: replayed as they are
+SCALARS = "timwatch_scalar_"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
@@ -88,6 +91,7 @@ def snapshot(text: str, run: str) -> dict[str, float]:
     tag = f'run="{run}"'
     for line in text.splitlines():
         m = _LINE.match(line)
-        if m and m.group(1) in FAMILIES and tag in (m.group(2) or ""):
+        name = m.group(1) if m else ""
+        if m and (name in FAMILIES or name.startswith(SCALARS)) and tag in (m.group(2) or ""):
             out[m.group(1) + m.group(2)] = float(m.group(3))
     return out

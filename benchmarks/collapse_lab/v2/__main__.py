@@ -14,6 +14,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,9 +26,15 @@ from benchmarks.collapse_lab.serve import LabServer, snapshot
 
 from .configs import CONFIGS, V2Config, collapse_onset
 
+#: the pre-registered candidate rules (PROTOCOL.md), replayed together with the shipped ones
+CANDIDATE = Path(__file__).with_name("candidate.rules.yml")
+
 
 class _NoTap:
     def report(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def flush(self, timeout: float) -> bool:
@@ -41,18 +48,38 @@ class _NoTap:
 
 
 def lead_summary(onset: int | None, firings: list[dict[str, Any]]) -> dict[str, Any]:
-    """First page and first warning (any alert of that severity), and their lead over onset."""
+    """First page and first warning of the shipped rules (any alert of that severity) and of the
+    candidate rules (alerts named ``*Candidate``), and their lead over onset."""
     out: dict[str, Any] = {}
-    for sev in ("page", "warning"):
-        steps = [f["step"] for f in firings if f["severity"] == sev]
-        first = min(steps) if steps else None
-        out[f"first_{sev}"] = first
-        out[f"lead_{sev}"] = None if first is None or onset is None else onset - first
+    for prefix, candidate in (("", False), ("candidate_", True)):
+        for sev in ("page", "warning"):
+            steps = [
+                f["step"]
+                for f in firings
+                if f["severity"] == sev and f["alert"].endswith("Candidate") == candidate
+            ]
+            first = min(steps) if steps else None
+            out[f"{prefix}first_{sev}"] = first
+            out[f"{prefix}lead_{sev}"] = None if first is None or onset is None else onset - first
     return out
 
 
+def health_scalars(log: Any) -> dict[str, float]:
+    """The step's trainer health under timwatch's canonical scalar names (`Tap.log`)."""
+    return {
+        "reward_mean": log.reward, "reward_std": log.reward_std, "grad_norm": log.grad_norm,
+        "entropy": log.entropy, "response_length_mean": log.response_len_mean,
+        "response_length_max": log.response_len_max, "learning_rate": log.lr,
+        "clip_fraction": log.clip_fraction, "loss": log.loss,
+    }  # fmt: skip
+
+
 def run_one(
-    cfg: V2Config, seed: int, server: LabServer | None, out: Path, rules: Path = RULES
+    cfg: V2Config,
+    seed: int,
+    server: LabServer | None,
+    out: Path,
+    rules: Sequence[Path] = (RULES, CANDIDATE),
 ) -> dict[str, Any]:
     from timwatch.sidecar.tap import Tap
 
@@ -69,6 +96,7 @@ def run_one(
         for step in range(cfg.steps):
             t0 = time.monotonic()
             log = trainer.step(step, tap)
+            tap.log(step, health_scalars(log))
             step_s.append(time.monotonic() - t0)
             if not tap.flush(60):
                 raise RuntimeError(f"{run}: the tap could not deliver step {step}")
@@ -104,7 +132,7 @@ def main(
     out: Annotated[Path, typer.Option(help="output folder")] = Path("collapse-lab2-runs"),
     steps: Annotated[int, typer.Option(help="override the steps per run (0: config's)")] = 0,
     screen: Annotated[bool, typer.Option(help="trainer only: no server, no replay")] = False,
-    rules: Annotated[Path, typer.Option(help="rules file to replay against")] = RULES,
+    rules: Annotated[Path, typer.Option(help="rules file replayed with the candidate's")] = RULES,
 ) -> None:
     """Run lab v2 configurations through tap → timwatch serve → promtool-replayed rules."""
     names = [c.strip() for c in config.split(",") if c.strip()]
@@ -119,7 +147,7 @@ def main(
         for name in names:
             cfg = CONFIGS[name] if steps <= 0 else replace(CONFIGS[name], steps=steps)
             for seed in seed_list:
-                r = run_one(cfg, seed, server, out, rules)
+                r = run_one(cfg, seed, server, out, (rules, CANDIDATE))
                 fired = ", ".join(f"{f['alert']}@{f['step']}" for f in r["firings"])
                 print(
                     f"{name} seed {seed}: collapse {r['collapse_step']} · fired: "
