@@ -264,12 +264,19 @@ _NEMO_RL = {
 }
 
 # SkyRL trainer: |rollout_logprobs − action_log_probs| over loss_mask tokens (std: torch's,
-# with Bessel's correction)
+# with Bessel's correction); the policy worker's status under policy/ (skyrl 0.3.0
+# trainer.py, workers/worker.py). reward/avg_raw_reward (before shaping) stays unmapped: the
+# same step also logs loss/avg_final_rewards, the reward the advantages were computed from
 _SKYRL = {
     "policy/rollout_train_logprobs_abs_diff_mean": "log_ratio_abs_mean",
     "policy/rollout_train_logprobs_abs_diff_max": "log_ratio_abs_max",
     "policy/rollout_train_logprobs_abs_diff_std": "log_ratio_abs_std",
     "loss/avg_final_rewards": "reward_mean",
+    "policy/grad_norm": "grad_norm",
+    "policy/policy_entropy": "entropy",
+    "policy/policy_lr": "learning_rate",
+    "policy/policy_loss": "loss",
+    "policy/loss_metrics/clip_ratio": "clip_fraction",
 }
 
 # ROLL actor worker: seq-mean-token-mean of the train/infer ratio; the filter's pass rate

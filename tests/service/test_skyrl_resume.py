@@ -120,3 +120,59 @@ def test_resumed_run_keeps_every_steps_tokens_once(
         assert res["series"]["tokens"][i] == want["tokens"], step
         assert res["series"]["mismatch_kl"][i] == pytest.approx(want["mismatch_kl"], rel=1e-9)
     assert np.all(np.diff(res["steps"]) == 1)
+
+
+def test_skyrls_logged_scalars_reach_the_history_once_across_a_resume(
+    shared_server: ServerProc,
+) -> None:
+    """SkyRL's `_fire("on_log", ...)` with the callback and a real `Tap`: the step's numbers are
+    stored under SkyRL's step, mapped by the bridge's SkyRL names; a resumed trainer re-logging a
+    step overwrites it, never adds to it."""
+    from skyrl.train.trainer import RayPPOTrainer
+    from skyrl.train.utils.callbacks import CallbackHandler, TrainingControl
+
+    from timwatch.sidecar.tap import Tap
+
+    run = fresh_run("skyrl-scalars")
+
+    def trainer_with(tap: Tap) -> Any:
+        trainer = object.__new__(RayPPOTrainer)
+        trainer._current_epoch, trainer.train_dataloader, trainer.total_training_steps = 0, None, 9
+        trainer._callback_handler = CallbackHandler([plugin.timwatch_callback(tap)])
+        trainer._training_control = TrainingControl()
+        return trainer
+
+    def logs(step: int, attempt: int) -> dict[str, Any]:
+        return {
+            "policy/rollout_train_logprobs_abs_diff_mean": 0.01 * step + 0.005 * (attempt - 1),
+            "policy/rollout_train_logprobs_abs_diff_max": torch.tensor(0.1 * step),
+            "loss/avg_final_rewards": np.float64(0.5),
+            "reward/avg_raw_reward": 0.25,  # before shaping: kept, unmapped
+            "policy/grad_norm": 2.0 + step,
+            "policy/policy_entropy": 1.5,
+            "policy/policy_lr": 1e-6,
+            "policy/policy_loss": -0.1,
+            "policy/loss_metrics/clip_ratio": 0.02,
+        }
+
+    for attempt, steps in ((1, (1, 2, 3)), (2, (3, 4))):  # resumed from its step-2 checkpoint
+        tap = Tap(shared_server.url, run, SHARED_TOKEN, finish=False)
+        trainer = trainer_with(tap)
+        for step in steps:
+            trainer.global_step = step
+            trainer._fire("on_log", logs=logs(step, attempt))
+        assert tap.close(30)
+        assert tap.stats()["sent"] == len(steps)
+    with shared_server.client() as c:
+        hist = c.get(f"/v1/runs/{run}/scalars/series").json()
+    assert hist["steps"] == [1, 2, 3, 4]
+    # step 3 as the resumed attempt recomputed it, step 4 only from it
+    assert hist["scalars"]["log_ratio_abs_mean"] == pytest.approx([0.01, 0.02, 0.035, 0.045])
+    assert hist["scalars"]["log_ratio_abs_max"] == pytest.approx([0.1, 0.2, 0.3, 0.4], rel=1e-6)
+    assert hist["scalars"]["reward_mean"] == [0.5] * 4
+    assert hist["scalars"]["grad_norm"] == [3.0, 4.0, 5.0, 6.0]
+    assert hist["scalars"]["entropy"] == [1.5] * 4
+    assert hist["scalars"]["learning_rate"] == [1e-6] * 4
+    assert hist["scalars"]["loss"] == [-0.1] * 4
+    assert hist["scalars"]["clip_fraction"] == [0.02] * 4
+    assert set(hist["sources"].values()) == {"skyrl"}

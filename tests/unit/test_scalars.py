@@ -117,6 +117,11 @@ SKYRL_EXPECTED = {
     "policy/rollout_train_logprobs_abs_diff_max": "log_ratio_abs_max",
     "policy/rollout_train_logprobs_abs_diff_std": "log_ratio_abs_std",
     "loss/avg_final_rewards": "reward_mean",
+    "policy/grad_norm": "grad_norm",
+    "policy/policy_entropy": "entropy",
+    "policy/policy_lr": "learning_rate",
+    "policy/policy_loss": "loss",
+    "policy/loss_metrics/clip_ratio": "clip_fraction",
 }
 # ROLL: actor worker's train/infer metrics (seq-mean-token-mean), filter pass rate
 ROLL_EXPECTED = {
