@@ -210,39 +210,78 @@ def _ci(ci: list[float] | tuple[float, float] | None) -> str:
     return "–" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]"
 
 
+def _cell(s: dict[str, Any]) -> str:
+    """``in time k/n · lead L · false k/n`` of one detector on one group of runs."""
+    parts = []
+    if s["collapsed"]:
+        lead = "" if s["median_lead"] is None else f" (lead {s['median_lead']:g})"
+        parts.append(f"{s['paged_in_time']}/{s['collapsed']} in time{lead}")
+    if s["healthy"]:
+        parts.append(f"{s['false_pages']}/{s['healthy']} false")
+    return " · ".join(parts) or "–"
+
+
 def markdown(summary: dict[str, Any]) -> str:
+    """Per set of seeds: each detector pooled (with Wilson intervals), then each configuration
+    (counts), then every run."""
     lines = []
     for label, groups in summary["sets"].items():
+        if not groups:
+            lines += [f"**{label} seeds**: no runs yet", ""]
+            continue
+        names = list(next(iter(groups.values()))["detectors"])
+        pooled = {g: row for g, row in groups.items() if g.startswith("pooled")}
         lines += [
-            f"**{label} seeds**",
+            f"**{label} seeds, pooled**",
             "",
-            "| runs | detector | collapsed runs paged in time (95 % CI) | median lead | "
-            "false pages on runs that did not collapse (95 % CI) |",
-            "|---|---|---|---|---|",
+            "| detector | "
+            + " | ".join(
+                f"{g.removeprefix('pooled: ')} ({row['runs']} runs, "
+                f"{sum(c is not None for c in row['collapse_steps'])} collapsed)"
+                for g, row in pooled.items()
+            )
+            + " |",
+            "|---|" + "---|" * len(pooled),
         ]
-        for g, row in groups.items():
-            for d, s in row["detectors"].items():
-                lead = "–" if s["median_lead"] is None else f"{s['median_lead']:g}"
-                lines.append(
-                    f"| {g} ({row['runs']}, seeds {','.join(map(str, row['seeds']))}, "
-                    f"collapses {sum(c is not None for c in row['collapse_steps'])}) | {d} | "
-                    f"{s['paged_in_time']}/{s['collapsed']} {_ci(s['tpr_ci'])} | {lead} | "
-                    f"{s['false_pages']}/{s['healthy']} {_ci(s['fpr_ci'])} |"
-                )
+        for d in names:
+            cells = []
+            for row in pooled.values():
+                s = row["detectors"][d]
+                ci = f" {_ci(s['tpr_ci'])}" if s["collapsed"] else ""
+                fci = f" {_ci(s['fpr_ci'])}" if s["healthy"] else ""
+                cells.append(_cell(s).replace(" in time", f" in time{ci}") + fci)
+            lines.append(f"| {d} | " + " | ".join(cells) + " |")
+        per = {g: row for g, row in groups.items() if not g.startswith("pooled")}
+        lines += [
+            "",
+            f"**{label} seeds, per configuration**",
+            "",
+            "| configuration | collapse steps | " + " | ".join(names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
+        for g, row in sorted(per.items()):
+            steps = ", ".join(str(c) if c is not None else "–" for c in row["collapse_steps"])
+            cells = [_cell(row["detectors"][d]) for d in names]
+            lines.append(f"| {g} (seeds {','.join(map(str, row['seeds']))}) | {steps} | "
+                         + " | ".join(cells) + " |")  # fmt: skip
         lines.append("")
-    runs_rows = [
-        "| run | collapse step | reward first/last 10 steps | mean mismatch k3 | max grad norm | "
-        "shipped page | candidate page | rlwatch defaults | rlwatch tuned |",
-        "|---|---|---|---|---|---|---|---|---|",
+    lines += [
+        "**every run**",
+        "",
+        "| run | collapse step | reward first / last 10 steps | mean mismatch k3 | max grad "
+        "norm | last entropy | first: shipped page, warning; candidate page; rlwatch "
+        "defaults, tuned |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(summary["runs"], key=lambda r: (r["config"], r["seed"])):
         f = list(r["first"].values())
-        runs_rows.append(
-            f"| {r['config']} s{r['seed']} | {r['collapse_step']} | "
+        firsts = f"{f[0]}, {f[1]}; {f[2]}; {f[3]}, {f[4]}".replace("None", "–")
+        lines.append(
+            f"| {r['config']} s{r['seed']} | {r['collapse_step'] or '–'} | "
             f"{r['reward_first10']:.3f} / {r['reward_last10']:.3f} | {r['mismatch_kl_mean']:.3g} | "
-            f"{r['grad_norm_max']:.3g} | {f[0]} | {f[2]} | {f[3]} | {f[4]} |"
+            f"{r['grad_norm_max']:.3g} | {r['entropy_last']:.2f} | {firsts} |"
         )
-    return "\n".join(lines + runs_rows) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def plot(runs: list[dict[str, Any]], pick: list[tuple[str, int]], path: Path) -> None:
