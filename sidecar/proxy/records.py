@@ -66,8 +66,8 @@ def topk_entropy_bounds(
     """Entropy bounds from the log-probs of a token set S that contains the true top-k.
 
     ``k`` is how many of S are guaranteed to be the true top-k (default: all of S, which is
-    what SGLang's ``output_top_logprobs`` is). vLLM's lists may carry the sampled token in one
-    slot, so its adapter passes ``k = len(S) - 1``. ``None`` entries (``-inf`` serialised by the
+    what SGLang's ``output_top_logprobs`` is); a list that may carry the sampled token in one
+    slot beside the top-k (vLLM's ``top_logprobs``) needs ``k = len(S) - 1``. ``None`` entries (``-inf`` serialised by the
     engine) count as probability 0.
     """
     probs = sorted(

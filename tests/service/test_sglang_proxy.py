@@ -344,6 +344,17 @@ def test_entropy_bounds_hand_computed() -> None:
     assert b.upper == pytest.approx(head + 2 * 0.125 * math.log(8))
 
 
+def test_entropy_bounds_trust_only_k_of_the_set() -> None:
+    # a set of 3 that holds the top-2 (0.5, 0.2) and a sampled token outside them (0.05), as a
+    # list with the sampled token in one slot is: trusted as the top-3 it would overshoot
+    dist = [0.5, 0.2, 0.1, 0.1, 0.05, 0.05]
+    row = [math.log(0.5), math.log(0.2), math.log(0.05)]
+    exact = -sum(x * math.log(x) for x in dist)
+    b = topk_entropy_bounds(row, k=2, vocab_size=len(dist))
+    assert b.lower <= exact <= b.upper  # type: ignore[operator]
+    assert topk_entropy_bounds(row, vocab_size=len(dist)).lower > exact
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.floats(-8.0, 3.0), min_size=3, max_size=40),

@@ -1,1 +1,1 @@
-"""The vLLM proxy: its app, answer edits, capture and wire adapter."""
+"""The vLLM proxy: its app, answer edits and capture."""
