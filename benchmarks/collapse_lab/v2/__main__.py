@@ -131,6 +131,7 @@ def main(
     seeds: Annotated[str, typer.Option("--seeds", "--seed", help="comma list of seeds")] = "0",
     out: Annotated[Path, typer.Option(help="output folder")] = Path("collapse-lab2-runs"),
     steps: Annotated[int, typer.Option(help="override the steps per run (0: config's)")] = 0,
+    lr: Annotated[float, typer.Option(help="override the learning rate (0: config's)")] = 0.0,
     screen: Annotated[bool, typer.Option(help="trainer only: no server, no replay")] = False,
     rules: Annotated[Path, typer.Option(help="rules file replayed with the candidate's")] = RULES,
 ) -> None:
@@ -146,6 +147,7 @@ def main(
     try:
         for name in names:
             cfg = CONFIGS[name] if steps <= 0 else replace(CONFIGS[name], steps=steps)
+            cfg = cfg if lr <= 0 else replace(cfg, lr=lr)
             for seed in seed_list:
                 r = run_one(cfg, seed, server, out, (rules, CANDIDATE))
                 fired = ", ".join(f"{f['alert']}@{f['step']}" for f in r["firings"])
