@@ -67,8 +67,8 @@ def topk_entropy_bounds(
 
     ``k`` is how many of S are guaranteed to be the true top-k (default: all of S, which is
     what SGLang's ``output_top_logprobs`` is); a list that may carry the sampled token in one
-    slot beside the top-k (vLLM's ``top_logprobs``) needs ``k = len(S) - 1``. ``None`` entries (``-inf`` serialised by the
-    engine) count as probability 0.
+    slot beside the top-k (vLLM's ``top_logprobs``) needs ``k = len(S) - 1``. ``None`` entries
+    (``-inf`` serialised by the engine) count as probability 0.
     """
     probs = sorted(
         (math.exp(lp) for lp in logprobs if lp is not None and lp != -math.inf),
