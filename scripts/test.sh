@@ -6,8 +6,10 @@
 #
 #   scripts/test.sh --quick [pytest args]   the inner loop: linters, then the unit and service
 #                                           tiers only, without their load tests (no stack, no
-#                                           `slow` load tests, no vLLM engine tier), installing
-#                                           only what those need (promtool, PostgreSQL, a compiler)
+#                                           `slow` load tests, no vLLM engine tier) and without
+#                                           the tests inside real trainer packages (`framework`),
+#                                           installing only what those need (promtool,
+#                                           PostgreSQL, a compiler)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # where the run's time goes, for CI's 30-minute budget: seconds since the start, on stderr
@@ -50,20 +52,27 @@ fi
 
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test]'
-# real verl for the trainer plug-in's tests, without its own requirements (they would replace
-# torch==2.13.0): only what its imports need, pinned (tests/requirements-verl.txt)
-.venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt
-# real TRL for its plug-in's tests, the same way: trl only, on the pins above
-.venv/bin/python -m pip install -q --no-deps -r tests/requirements-trl.txt
-# real AReaL for its plug-in's tests, the same way: only what importing its PPO actor needs
-# (tests/requirements-areal.txt)
-.venv/bin/python -m pip install -q --no-deps -r tests/requirements-areal.txt
-# and real OpenRLHF (tests/requirements-openrlhf.txt)
-.venv/bin/python -m pip install -q --no-deps -r tests/requirements-openrlhf.txt
-# real skyrl the same way, for its plug-in's tests (tests/requirements-skyrl.txt)
-.venv/bin/python -m pip install -q --no-deps -r tests/requirements-skyrl.txt
+# the installs below are skipped while what they read is unchanged (pyproject.toml, setup.py,
+# the C reader's sources, the pinned trainer packages, this script): ~7 s of the inner loop
+stamp="$(cat pyproject.toml setup.py tests/requirements-*.txt "$0" \
+  $(find sidecar/proxy/native -name '*.c' -o -name '*.h' | sort) | sha256sum | cut -d' ' -f1)"
+if [ "$(cat .venv/installed.sha256 2>/dev/null)" != "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[test]'
+  # real verl for the trainer plug-in's tests, without its own requirements (they would replace
+  # torch==2.13.0): only what its imports need, pinned (tests/requirements-verl.txt)
+  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt
+  # real TRL for its plug-in's tests, the same way: trl only, on the pins above
+  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-trl.txt
+  # real AReaL for its plug-in's tests, the same way: only what importing its PPO actor needs
+  # (tests/requirements-areal.txt)
+  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-areal.txt
+  # and real OpenRLHF (tests/requirements-openrlhf.txt)
+  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-openrlhf.txt
+  # real skyrl the same way, for its plug-in's tests (tests/requirements-skyrl.txt)
+  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-skyrl.txt
+  echo "$stamp" > .venv/installed.sha256
+fi
 # numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
 # the background while the rest is installed and the linters run): otherwise the first
 # processes of both workers compile the same kernels at once, each taking over a minute, while
@@ -124,7 +133,7 @@ if [ "$QUICK" = 1 ]; then
   # three workers: the quick tier's service tests mostly wait on their servers (175 s against
   # 189 s with two, same checkout, idle machine)
   .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-3}" \
-    --dist loadfile -m "not vllm and not slow" tests/unit tests/service "$@"
+    --dist loadfile -m "not vllm and not slow and not framework" tests/unit tests/service "$@"
   phase "quick tier (unit + service) done"
   exit 0
 fi

@@ -31,6 +31,9 @@ from tests.helpers.reference import reference  # noqa: E402
 from tests.helpers.wire import fresh_run  # noqa: E402
 from timwatch.sidecar.integrations import openrlhf as plugin  # noqa: E402
 
+# a real trainer package: the full suite and CI run it, the quick tier does not
+pytestmark = pytest.mark.framework
+
 SAVE_STEPS = 3
 
 

@@ -34,6 +34,9 @@ from tests.helpers.reference import reference  # noqa: E402
 from tests.helpers.wire import fresh_run  # noqa: E402
 from timwatch.sidecar.integrations import skyrl as plugin  # noqa: E402
 
+# a real trainer package: the full suite and CI run it, the quick tier does not
+pytestmark = pytest.mark.framework
+
 SAVE_FREQ = 3
 
 

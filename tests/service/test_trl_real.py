@@ -29,6 +29,9 @@ from tests.helpers.reference import reference
 from tests.helpers.trl_run import PER_STEP, RecordingTap, build_model, train
 from tests.helpers.wire import fresh_run
 
+# a real trainer package: the full suite and CI run it, the quick tier does not
+pytestmark = pytest.mark.framework
+
 STEPS = 3
 NAMES = "tokens,sequences,mismatch_kl,log_ratio_abs_max,entropy_mean,policy_version"
 #: TRL's logged names → the canonical scalar names the callback's logs are stored under

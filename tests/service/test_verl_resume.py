@@ -33,6 +33,9 @@ from tests.helpers.wire import fresh_run
 from timwatch.sidecar.integrations import verl as plugin
 from timwatch.sidecar.integrations import verl_hooks
 
+# a real trainer package: the full suite and CI run it, the quick tier does not
+pytestmark = pytest.mark.framework
+
 CRITIC_WARMUP, SAVE_FREQ = 2, 3
 
 

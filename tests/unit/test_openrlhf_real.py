@@ -23,22 +23,18 @@ else:
     pytest.importorskip("openrlhf")
 
 from tests.helpers import openrlhf_tiny as ot
+from tests.helpers.frameworks import RecordingTap
 from timwatch.sidecar.integrations import openrlhf as plugin  # noqa: E402
 from timwatch.sidecar.integrations.verl_loss import TimwatchTracking  # noqa: E402
+
+# a real trainer package: the full suite and CI run it, the quick tier does not
+pytestmark = pytest.mark.framework
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _import_stand_ins() -> Iterator[None]:
     with ot.import_stand_ins():
         yield
-
-
-class RecordingTap:
-    def __init__(self) -> None:
-        self.reports: list[tuple[int, dict[str, Any]]] = []
-
-    def report(self, step: int, **arrays: Any) -> None:
-        self.reports.append((step, arrays))
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ else:
     pytest.importorskip("skyrl")
 
 from tests.helpers import skyrl_tiny as st
+from tests.helpers.frameworks import RecordingTap
 
 st.import_skyrl()
 
@@ -29,13 +30,8 @@ from timwatch.monitor.core.errors import PluginContextError, TimwatchError  # no
 from timwatch.sidecar.integrations import skyrl as plugin  # noqa: E402
 from timwatch.sidecar.integrations import skyrl_loss  # noqa: E402
 
-
-class RecordingTap:
-    def __init__(self) -> None:
-        self.reports: list[tuple[int, dict[str, Any]]] = []
-
-    def report(self, step: int, **arrays: Any) -> None:
-        self.reports.append((step, arrays))
+# a real trainer package: the full suite and CI run it, the quick tier does not
+pytestmark = pytest.mark.framework
 
 
 @pytest.fixture

@@ -23,17 +23,13 @@ else:
     pytest.importorskip("verl")
 
 from tests.helpers import verl_tiny as vt
+from tests.helpers.frameworks import RecordingTap
 from timwatch.monitor.core.errors import PluginContextError, TimwatchError
 from timwatch.sidecar.integrations import verl as plugin
 from timwatch.sidecar.integrations import verl_hooks
 
-
-class RecordingTap:
-    def __init__(self) -> None:
-        self.reports: list[tuple[int, dict[str, Any]]] = []
-
-    def report(self, step: int, **arrays: Any) -> None:
-        self.reports.append((step, arrays))
+# a real trainer package: the full suite and CI run it, the quick tier does not
+pytestmark = pytest.mark.framework
 
 
 @pytest.fixture
