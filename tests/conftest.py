@@ -142,6 +142,23 @@ LONGEST_FIRST = (
 )
 
 
+#: how a test module marks itself `framework` (it runs inside a real trainer package)
+FRAMEWORK_MARK = "pytestmark = pytest.mark.framework"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under ``-m "… not framework"`` (the quick tier) a module marked `framework` is not
+    imported at all: each imports its trainer package at its top (verl alone ~3 s of CPU), and
+    every xdist worker collects every module, so deselecting its tests after import would still
+    cost each worker those seconds."""
+    if "not framework" not in (config.option.markexpr or ""):
+        return None
+    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    text = collection_path.read_text(encoding="utf-8")
+    return True if f"\n{FRAMEWORK_MARK}" in text else None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tier markers: everything under tests/stack is ``slow``; a test on PostgreSQL is
     ``postgres`` (so ``-m "not slow"`` or ``-m "not postgres"`` select quick subsets). Then

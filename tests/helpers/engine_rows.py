@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import importlib.util
 import json
 import math
@@ -159,8 +160,34 @@ def current_rows() -> dict[str, Any]:
     return out
 
 
+def _rows_key(rev: str) -> str:
+    """What `rows_at(rev)` depends on besides the revision's own code: this file, the Python,
+    numba and llvmlite versions, the host CPU's name and features, the ``NUMBA_*`` settings."""
+    import llvmlite
+    import llvmlite.binding as llvm
+    import numba
+
+    settings = {
+        k: v for k, v in os.environ.items() if k.startswith("NUMBA_") and k != "NUMBA_CACHE_DIR"
+    }
+    parts = [
+        rev, Path(__file__).read_text(encoding="utf-8"), sys.version, numba.__version__,
+        llvmlite.__version__, llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(),
+        sorted(settings.items()),
+    ]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
 def rows_at(rev: str) -> dict[str, Any]:
-    """`current_rows()` computed by the engine of git revision `rev` (run in a subprocess)."""
+    """`current_rows()` computed by the engine of git revision `rev` (run in a subprocess, its
+    numba compiling from scratch: ~11 s), kept in tests/helpers/__pycache__ under `_rows_key`
+    (a revision's code never changes, so only the machine and toolchain can)."""
+    saved = Path(__file__).resolve().parent / "__pycache__" / f"engine_rows-{_rows_key(rev)}.json"
+    try:
+        cached: dict[str, Any] = json.loads(saved.read_text(encoding="utf-8"))
+        return cached
+    except (OSError, ValueError):
+        pass
     with tempfile.TemporaryDirectory(prefix="timwatch-rev-") as tmp:
         archive = Path(tmp) / "rev.tar"
         subprocess.run(
@@ -181,6 +208,10 @@ def rows_at(rev: str) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"the engine at {rev} failed:\n{proc.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(proc.stdout)
+    saved.parent.mkdir(exist_ok=True)
+    tmp_path = saved.with_suffix(f".{os.getpid()}.tmp")
+    tmp_path.write_text(proc.stdout, encoding="utf-8")
+    os.replace(tmp_path, saved)  # atomic: two workers may write it at once
     return result
 
 

@@ -27,9 +27,11 @@ import torch
 from timwatch.monitor.core.errors import PluginContextError
 from timwatch.monitor.trainer.losses import estr_ppo_loss
 from timwatch.sidecar.integrations import slime as slime_plugin
-from timwatch.sidecar.integrations import verl as verl_plugin
 from timwatch.sidecar.integrations import verl_hooks, verl_loss
-from timwatch.sidecar.integrations.verl import (
+
+# the names the verl plug-in re-exports, from where they live: importing the plug-in itself
+# imports verl (its registration), which only the registration test below needs
+from timwatch.sidecar.integrations.verl_loss import (
     TimwatchTracking,
     compute_policy_loss_estr,
     estr_inputs,
@@ -284,6 +286,9 @@ def test_register_with_verl_uses_verls_registry(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setattr(sys.modules["verl.trainer.ppo"], "core_algos", core_algos, raising=False)
     monkeypatch.setitem(sys.modules, "verl.trainer.ppo.core_algos", core_algos)
+    monkeypatch.setenv("TIMWATCH_VERL_AUTOREGISTER", "0")  # imported first here: no side effect
+    from timwatch.sidecar.integrations import verl as verl_plugin
+
     assert verl_plugin.register_with_verl(hook_actor=False)
     assert registry["estr"] is compute_policy_loss_estr
 
