@@ -5,10 +5,14 @@ A layer above `timwatch.monitor.core`, `timwatch.monitor.store` and
 (``bootstrap.py``), the side-by-side comparison and its verdict line (``comparison.py``), the
 baseline file (``baseline.py``), the gate's checks (``gate.py``), a run read from a directory of
 batch files (``batchdir.py``) and the gate's output formats (``formats.py``).
+
+`load_batch_dir` is imported on first use (PEP 562): it needs the metric engine (numba) and the
+store (SQLAlchemy), which a gate against a server or a baseline file never touches.
 """
 
+from typing import Any
+
 from .baseline import Baseline, MetricBaseline
-from .batchdir import load_batch_dir
 from .bootstrap import Interval, ratio_interval
 from .comparison import HEADLINE, Comparison, compare_series
 from .formats import comparison_markdown, junit_xml, markdown, markdown_html
@@ -30,3 +34,11 @@ __all__ = [
     "markdown_html",
     "ratio_interval",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "load_batch_dir":
+        from .batchdir import load_batch_dir
+
+        return load_batch_dir
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
