@@ -193,6 +193,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         {
             "config": r["config"],
             "seed": r["seed"],
+            "lr": r["settings"]["lr"],
             "collapse_step": r["collapse_step"],
             "first": {d: f(r) for d, f in dets.items()},
             "reward_first10": round(statistics.mean(x["reward"] for x in r["log"][:10]), 4),
@@ -273,11 +274,11 @@ def markdown(summary: dict[str, Any]) -> str:
         "defaults, tuned |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(summary["runs"], key=lambda r: (r["config"], r["seed"])):
+    for r in sorted(summary["runs"], key=lambda r: (r["config"], r["lr"], r["seed"])):
         f = list(r["first"].values())
         firsts = f"{f[0]}, {f[1]}; {f[2]}; {f[3]}, {f[4]}".replace("None", "–")
         lines.append(
-            f"| {r['config']} s{r['seed']} | {r['collapse_step'] or '–'} | "
+            f"| {r['config']} s{r['seed']} lr {r['lr']:g} | {r['collapse_step'] or '–'} | "
             f"{r['reward_first10']:.3f} / {r['reward_last10']:.3f} | {r['mismatch_kl_mean']:.3g} | "
             f"{r['grad_norm_max']:.3g} | {r['entropy_last']:.2f} | {firsts} |"
         )
@@ -294,10 +295,11 @@ def plot(runs: list[dict[str, Any]], pick: list[tuple[str, int]], path: Path) ->
 
     tuned = tune_rlwatch([r for r in runs if r["seed"] in TUNING])
     dets = detectors(tuned)
-    marks = {
+    marks: dict[str, Any] = {
         "timwatch page (shipped)": "--",
+        "timwatch warnings (shipped)": ":",
         "timwatch candidate page": "-.",
-        "rlwatch defaults (critical)": ":",
+        "rlwatch defaults (critical)": (0, (6, 2, 1, 2, 1, 2)),
     }
     fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
     chosen = [r for c, s in pick for r in runs if r["config"] == c and r["seed"] == s]
@@ -305,7 +307,11 @@ def plot(runs: list[dict[str, Any]], pick: list[tuple[str, int]], path: Path) ->
         c = f"C{i}"
         x = [s["step"] for s in r["log"]]
         axes[0].plot(
-            x, [s["reward"] for s in r["log"]], c, lw=0.8, label=f"{r['config']} s{r['seed']}"
+            x,
+            [s["reward"] for s in r["log"]],
+            c,
+            lw=0.8,
+            label=f"{r['config']} s{r['seed']} lr {r['settings']['lr']:g}",
         )
         axes[1].semilogy(x, [max(s["grad_norm"], 1e-6) for s in r["log"]], c, lw=0.8)
         axes[2].semilogy(x, [max(s["mismatch_kl"], 1e-14) for s in r["log"]], c, lw=0.8)
@@ -325,8 +331,8 @@ def plot(runs: list[dict[str, Any]], pick: list[tuple[str, int]], path: Path) ->
     axes[3].set_xlabel("RL step (= 1 min of Prometheus time)")
     axes[0].legend(fontsize=8)
     axes[0].set_title(
-        "lab v2 · solid: collapse onset · dashed: shipped page · dash-dot: candidate page · "
-        "dotted: rlwatch critical",
+        "lab v2 · solid: collapse onset · dashed: shipped page · dotted: first shipped warning · "
+        "dash-dot: candidate page · dash-dot-dot: rlwatch critical",
         fontsize=9,
     )
     fig.tight_layout()
