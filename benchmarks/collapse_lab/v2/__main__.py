@@ -5,7 +5,8 @@ subprocess (lab v1's `LabServer`), the run's exported series read back from /met
 step and replayed through the shipped rules by promtool (lab v1's `first_firings`). Writes
 ``DIR/CONFIG-sSEED/{steps.jsonl,series.jsonl,result.json}``; ``steps.jsonl`` holds the trainer's
 health scalars per step. ``--screen`` trains without the server and the replay (seconds per step
-of the trainer alone). ``python -m benchmarks.collapse_lab.v2.summary DIR…`` exports the runs.
+of the trainer alone). ``python -m benchmarks.collapse_lab.v2.evaluate DIR…`` prints
+PROTOCOL.md's table.
 """
 
 from __future__ import annotations
