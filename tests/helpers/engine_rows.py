@@ -161,20 +161,12 @@ def current_rows() -> dict[str, Any]:
 
 
 def _rows_key(rev: str) -> str:
-    """What `rows_at(rev)` depends on besides the revision's own code: this file, the Python,
-    numba and llvmlite versions, the host CPU's name and features, the ``NUMBA_*`` settings."""
-    import llvmlite
-    import llvmlite.binding as llvm
-    import numba
+    """What `rows_at(rev)` depends on besides the revision's own code: this file and the
+    `toolchain` (imported here, not at the top: this file also runs as a script in the old
+    revision's tree)."""
+    from tests.helpers.kernel_ir import toolchain
 
-    settings = {
-        k: v for k, v in os.environ.items() if k.startswith("NUMBA_") and k != "NUMBA_CACHE_DIR"
-    }
-    parts = [
-        rev, Path(__file__).read_text(encoding="utf-8"), sys.version, numba.__version__,
-        llvmlite.__version__, llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(),
-        sorted(settings.items()),
-    ]  # fmt: skip
+    parts = [rev, Path(__file__).read_text(encoding="utf-8"), *toolchain()]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
 
 

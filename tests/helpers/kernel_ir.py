@@ -83,14 +83,31 @@ def read_ir(workers: list[tuple[str, str]] = WORKERS) -> dict[str, dict[str, Any
     return out
 
 
-def ir_key(workers: list[tuple[str, str]] = WORKERS) -> str:
-    """SHA-256 of what the workers' IR depends on: every ``.py`` file of the folders they live
-    in (``monitor/core``, ``sidecar/proxy``, …) and this file, the Python, numba and llvmlite
-    versions, the host CPU's name and features, and the ``NUMBA_*`` settings but the cache's."""
+def toolchain() -> list[Any]:
+    """What compiled code depends on besides its source: the Python, numba and llvmlite versions,
+    the machine, the host CPU's name and features, and the ``NUMBA_*`` settings but the cache's
+    (JSON-serialisable, for a cache key)."""
     import llvmlite
     import llvmlite.binding as llvm
     import numba
 
+    settings = {
+        k: v for k, v in os.environ.items() if k.startswith("NUMBA_") and k != "NUMBA_CACHE_DIR"
+    }
+    return [
+        sys.version,
+        platform.machine(),
+        numba.__version__,
+        llvmlite.__version__,
+        llvm.get_host_cpu_name(),
+        llvm.get_host_cpu_features().flatten(),
+        sorted(settings.items()),
+    ]
+
+
+def ir_key(workers: list[tuple[str, str]] = WORKERS) -> str:
+    """SHA-256 of what the workers' IR depends on: every ``.py`` file of the folders they live
+    in (``monitor/core``, ``sidecar/proxy``, …) and this file, and the `toolchain`."""
     folders = sorted({ROOT.joinpath(*module.split(".")[1:3]) for module, _ in workers})
     files = sorted(f for folder in folders for f in folder.rglob("*.py")) + [Path(__file__)]
     h = hashlib.sha256()
@@ -98,23 +115,7 @@ def ir_key(workers: list[tuple[str, str]] = WORKERS) -> str:
         data = f.read_bytes()
         h.update(f"{f.relative_to(ROOT)}\0{len(data)}\0".encode())
         h.update(data)
-    settings = {
-        k: v for k, v in os.environ.items() if k.startswith("NUMBA_") and k != "NUMBA_CACHE_DIR"
-    }
-    h.update(
-        json.dumps(
-            [
-                sys.version,
-                platform.machine(),
-                numba.__version__,
-                llvmlite.__version__,
-                llvm.get_host_cpu_name(),
-                llvm.get_host_cpu_features().flatten(),
-                sorted(settings.items()),
-                workers,
-            ]
-        ).encode()
-    )
+    h.update(json.dumps([*toolchain(), workers]).encode())
     return h.hexdigest()
 
 
