@@ -13,30 +13,30 @@ weights and the last step, in a folder.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers import frameworks
+if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_AREAL"):
+    import areal  # noqa: F401  # CI installs it: a missing AReaL fails, it does not skip
+else:
+    pytest.importorskip("areal")
+
+from tests.helpers import areal_tiny as at
+from tests.helpers import logs
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.reference import reference
 from tests.helpers.verl_tiny import TinyModel
 from tests.helpers.wire import fresh_run
+from timwatch.sidecar.integrations import areal as plugin
+
+logs.restore()  # importing AReaL replaced the process's logging manager
 
 # a real trainer package: the full suite and CI run it, the quick tier does not
 pytestmark = pytest.mark.framework
-
-# AReaL, its test helpers and the plug-in, imported by `_areal` when this file's tests run
-at: Any = None
-plugin: Any = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _areal() -> None:
-    global at, plugin
-    at, plugin = frameworks.areal()  # CI installs AReaL: missing, it fails there, not skips
 
 
 SAVE_FREQ = 3

@@ -8,27 +8,27 @@ data helpers on CPU; tests/helpers/areal_tiny.py says what is written here inste
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers import frameworks
+if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_AREAL"):
+    import areal  # noqa: F401  # CI installs it: a missing AReaL fails, it does not skip
+else:
+    pytest.importorskip("areal")
+
+from tests.helpers import areal_tiny as at
+from tests.helpers import logs
 from tests.helpers.frameworks import RecordingTap
 from tests.helpers.verl_tiny import TinyModel
+from timwatch.sidecar.integrations import areal as plugin
+
+logs.restore()  # importing AReaL replaced the process's logging manager
 
 # a real trainer package: the full suite and CI run it, the quick tier does not
 pytestmark = pytest.mark.framework
-
-# AReaL, its test helpers and the plug-in, imported by `_areal` when this file's tests run
-at: Any = None
-plugin: Any = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _areal() -> None:
-    global at, plugin
-    at, plugin = frameworks.areal()  # CI installs AReaL: missing, it fails there, not skips
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.frameworks import RecordingTap
 from timwatch.monitor.core.errors import PluginContextError
 from timwatch.monitor.trainer.losses import estr_ppo_loss
 from timwatch.sidecar.integrations import slime as slime_plugin
@@ -181,14 +182,6 @@ def test_pack_padded_hand_case() -> None:
     assert cu.tolist() == [0, 3, 3, 7]
     assert packed["logp_train"].tolist() == [0, 1, 2, 8, 9, 10, 11]
     assert packed["loss_mask"].tolist() == [1, 0, 1, 1, 1, 1, 1]
-
-
-class RecordingTap:
-    def __init__(self) -> None:
-        self.reports: list[tuple[int, dict[str, torch.Tensor]]] = []
-
-    def report(self, step: int, **arrays: torch.Tensor) -> None:
-        self.reports.append((step, arrays))
 
 
 class DataProto:
