@@ -74,10 +74,6 @@ class CaptureStore:
         with self._lock:
             return len(self._by_rid)
 
-    @property
-    def held_bytes(self) -> int:
-        return self.counters.held_bytes
-
     def add(self, record: RolloutRecord | HeldRecord) -> None:
         """Store a record; a second record with the same rid replaces the first. Then the
         oldest records are evicted until both ``max_records`` and ``max_held_bytes`` hold (a
