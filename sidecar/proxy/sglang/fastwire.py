@@ -29,6 +29,7 @@ from ....monitor.core.errors import NotFast
 from .. import native
 from ..records import HeldRecord, topk_entropy_bounds_rows, version_runs
 from .keyspan import (
+    _LB,
     Hole,
     _int_value,
     _u8,
@@ -40,7 +41,6 @@ from .wire import RequestPlan, SampleState, WireError, finish_type
 
 __all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
 
-_LB, _RB, _COMMA = 91, 93, 44
 # The logprob-bearing keys SGLang writes into meta_info (sglang_wire._LOGPROB_PREFIXES).
 _LOGPROB_KEYS = (
     b"input_token_logprobs",
