@@ -38,6 +38,8 @@ __all__ = [
     "EntropyBounds",
     "version_as_int",
     "version_runs",
+    "runs_from_versions",
+    "versions_from_runs",
     "weight_spans",
 ]
 
@@ -162,6 +164,26 @@ def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | N
         else:
             runs.append((label, hi - lo))
     return tuple(runs)
+
+
+def runs_from_versions(versions: Sequence[str | None]) -> tuple[tuple[str | None, int], ...]:
+    """Per-token version labels run-length encoded, ``((label, count), ...)``: `HeldRecord.runs`
+    and the peers' take answer hold them so."""
+    runs: list[list[Any]] = []
+    for label in versions:
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return tuple((label, count) for label, count in runs)
+
+
+def versions_from_runs(runs: Sequence[Sequence[Any]]) -> tuple[str | None, ...]:
+    """Inverse of `runs_from_versions`: one label per token."""
+    versions: list[str | None] = []
+    for label, count in runs:
+        versions += [label] * int(count)
+    return tuple(versions)
 
 
 def version_as_int(label: str | None) -> int | None:
@@ -338,18 +360,12 @@ class HeldRecord:
 
     @classmethod
     def pack(cls, rec: RolloutRecord) -> HeldRecord:
-        runs: list[tuple[str | None, int]] = []
-        for label in rec.versions:
-            if runs and runs[-1][0] == label:
-                runs[-1] = (label, runs[-1][1] + 1)
-            else:
-                runs.append((label, 1))
         held = cls.build(
             rid=rec.rid,
             input_ids=None if rec.input_ids is None else np.array(rec.input_ids, np.int64),
             output_ids=np.array(rec.output_ids, dtype=np.int64),
             logp=np.array(rec.logp, dtype=np.float64),
-            runs=tuple(runs),
+            runs=runs_from_versions(rec.versions),
             finish_reason=rec.finish_reason,
             weight_version=rec.weight_version,
             entropy_lower=None if rec.entropy_lower is None else np.array(rec.entropy_lower),
@@ -378,15 +394,12 @@ class HeldRecord:
         return self.output_ids.astype(np.int64).tobytes()
 
     def unpack(self) -> RolloutRecord:
-        versions: list[str | None] = []
-        for label, count in self.runs:
-            versions += [label] * count
         return RolloutRecord(
             rid=self.rid,
             input_ids=None if self.input_ids is None else tuple(self.input_ids.tolist()),
             output_ids=tuple(self.output_ids.tolist()),
             logp=tuple(self.logp.tolist()),
-            versions=tuple(versions),
+            versions=versions_from_runs(self.runs),
             finish_reason=self.finish_reason,
             weight_version=self.weight_version,
             entropy_lower=_tuple(self.entropy_lower),

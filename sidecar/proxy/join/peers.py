@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..capture import CaptureStore
-from ..records import RolloutRecord
+from ..records import RolloutRecord, runs_from_versions, versions_from_runs
 
 __all__ = ["TAKE_PATH", "PeerClient", "decode_records", "encode_records", "take_records"]
 
@@ -56,16 +56,6 @@ _SCALARS = (
 )
 
 
-def _runs(versions: Sequence[str | None]) -> list[list[Any]]:
-    runs: list[list[Any]] = []
-    for label in versions:
-        if runs and runs[-1][0] == label:
-            runs[-1][1] += 1
-        else:
-            runs.append([label, 1])
-    return runs
-
-
 def encode_records(records: Sequence[tuple[int, RolloutRecord]]) -> bytes:
     """``(index in the request, record)`` pairs as the take answer's bytes."""
     heads: list[dict[str, Any]] = []
@@ -74,7 +64,7 @@ def encode_records(records: Sequence[tuple[int, RolloutRecord]]) -> bytes:
         head: dict[str, Any] = {"i": i, "rid": rec.rid, "n": rec.num_tokens}
         head["n_in"] = None if rec.input_ids is None else len(rec.input_ids)
         head["el"], head["et"] = rec.entropy_lower is not None, rec.entropy_tail is not None
-        head["runs"] = _runs(rec.versions)
+        head["runs"] = runs_from_versions(rec.versions)
         head.update({k: getattr(rec, k) for k in _SCALARS})
         heads.append(head)
         chunks.append(np.asarray(rec.output_ids, "<i8").tobytes())
@@ -112,15 +102,12 @@ def decode_records(data: bytes) -> list[tuple[int, RolloutRecord]]:
         n = int(h["n"])
         output_ids, logp = take(n, "<i8"), take(n, "<f8")
         input_ids = None if h["n_in"] is None else take(int(h["n_in"]), "<i8")
-        versions: list[str | None] = []
-        for label, count in h["runs"]:
-            versions += [label] * int(count)
         rec = RolloutRecord(
             rid=str(h["rid"]),
             input_ids=input_ids,
             output_ids=output_ids,
             logp=logp,
-            versions=tuple(versions),
+            versions=versions_from_runs(h["runs"]),
             entropy_lower=take(n, "<f8") if h["el"] else None,
             entropy_tail=take(n, "<f8") if h["et"] else None,
             **{k: h[k] for k in _SCALARS},
