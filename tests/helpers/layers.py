@@ -63,8 +63,9 @@ LAYERS: tuple[Layer, ...] = (
     Layer("timwatch.dashboards", "Grafana dashboards as code and their generator"),
     Layer(_TAP, "the trainer `Tap` and its shipper (stdlib `http.client` only)", (_CORE,)),
     Layer(f"{_S}.proxy", "SGLang and vLLM proxies: `http/` (the one upstream client, "
-          "de-chunking, forwarding, the relay), `sglang/`, `vllm/`, `native/` (the C stream "
-          "reader), `join/`, capture and records", (_CORE, _TAP)),
+          "de-chunking, forwarding, the relay, the state both proxies hold), `sglang/`, "
+          "`vllm/`, `native/` (the C stream reader), `join/`, capture and records",
+          (_CORE, _TAP)),
     Layer(
         f"{_S}.integrations",
         "plug-ins for verl, slime, TRL, OpenRLHF, AReaL and SkyRL; hooks into trainers' loggers "

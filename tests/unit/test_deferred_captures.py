@@ -1,4 +1,4 @@
-"""`proxy.http.forward.DeferredCaptures`: captures of answers already sent run later, never lost.
+"""`proxy.http.state.DeferredCaptures`: captures of answers already sent run later, never lost.
 
 They run in the order the answers went out: at `flush` (which the next upstream request and
 every reader of the capture store call), on the loop's timer when nothing flushes, or at once
@@ -11,7 +11,8 @@ import asyncio
 
 import pytest
 
-from timwatch.sidecar.proxy.http.forward import DeferredCaptures, _run_now
+from timwatch.sidecar.proxy.http.forward import _run_now
+from timwatch.sidecar.proxy.http.state import DeferredCaptures
 
 
 def test_flush_runs_waiting_captures_in_order_once() -> None:

@@ -153,6 +153,22 @@ def test_the_check_bites() -> None:
     assert find_cycles(loop) == [["a.x", "a.y", "a.x"]]
 
 
+def test_the_vllm_proxy_imports_nothing_of_the_sglang_proxy() -> None:
+    """What both proxies share lives in ``proxy.http``, ``proxy.capture`` and ``proxy.records``;
+    neither engine's package reaches into the other's."""
+    vllm, sglang = "timwatch.sidecar.proxy.vllm", "timwatch.sidecar.proxy.sglang"
+    graph = build_graph()
+    assert any(src.startswith(vllm + ".") for src in graph)
+    crossing = [
+        f"{src} -> {dst}"
+        for src, targets in sorted(graph.items())
+        for dst in sorted(targets)
+        if (src.startswith(vllm) and dst.startswith(sglang))
+        or (src.startswith(sglang) and dst.startswith(vllm))
+    ]
+    assert crossing == []
+
+
 def test_relative_imports_are_edges(tmp_path: Path) -> None:
     """A relative import is resolved against the importing module (a package's ``__init__``
     counts as the package itself) and one pointing up the layers fails the check."""

@@ -5,36 +5,30 @@ the answers for upstream failures, and the debug endpoints both serve.
 Invariants: hop-by-hop headers never cross the proxy in either direction; ``date`` and
 ``server`` of the upstream are dropped (uvicorn writes its own); an upstream failure is a 502
 (504 on a timeout) with a JSON ``error.message`` naming the upstream; a non-200 answer is
-passed back with its status, headers and body unchanged. The proxy state is a protocol
-(`proxy.sglang.app.ProxyState` satisfies it) so this module imports neither proxy.
+passed back with its status, headers and body unchanged. The proxy state is
+`proxy.http.state.ProxyState`, which each proxy extends, so this module imports neither proxy.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Protocol
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..capture import CaptureStore
-from .client import Upstream, UpstreamError, UpstreamResponse
+from .client import UpstreamError, UpstreamResponse
 from .relay import RawStream, StreamSink, UpstreamStream
+from .state import ProxyState, settle_captures
 
 __all__ = [
     "ALL_METHODS",
-    "DeferredCaptures",
     "counters",
-    "settle_captures",
     "forward_planned",
     "healthz",
     "passthrough",
     "relay",
-    "upstream_client",
 ]
 
 HOP_BY_HOP = frozenset(
@@ -57,76 +51,6 @@ REQUEST_DROP = HOP_BY_HOP | {"content-length", "expect"}
 ALL_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
 
 log = logging.getLogger(__name__)
-
-
-class DeferredCaptures:
-    """Captures of answers already sent, run off the response path.
-
-    A capture waits until the next planned request has been written upstream (the engine then
-    computes its answer while the proxy captures), at most ``delay_s`` when no request comes,
-    and never past `flush`, which every reader of the capture store calls first; with more
-    than ``max_pending`` waiting, the newest runs at once. So a record is in the store before
-    anyone can look for it, and the bytes waiting are bounded (``max_pending`` answers)."""
-
-    def __init__(self, *, delay_s: float = 0.02, max_pending: int = 64) -> None:
-        self.delay_s, self.max_pending = delay_s, max_pending
-        self._pending: list[Callable[[], None]] = []
-        self._timer: asyncio.TimerHandle | None = None
-
-    def __len__(self) -> int:
-        return len(self._pending)
-
-    def add(self, capture: Callable[[], None]) -> None:
-        self._pending.append(capture)
-        if len(self._pending) > self.max_pending:
-            self.flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.delay_s, self.flush)
-
-    def flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        while self._pending:
-            pending, self._pending = self._pending, []
-            for capture in pending:
-                try:
-                    capture()
-                except Exception:  # a capture must never take the proxy down
-                    log.exception("deferred capture failed")
-
-
-def settle_captures(state: ProxyState) -> None:
-    """Run the captures still deferred: every reader of the capture store calls this first."""
-    if state.deferred is not None:
-        state.deferred.flush()
-
-
-class ProxyState(Protocol):
-    """What this module reads of a proxy's state (`proxy.sglang.app.ProxyState` has it all)."""
-
-    upstream: str
-    capture: CaptureStore
-    counters: dict[str, int]
-    timeout_s: float | None
-    deferred: DeferredCaptures | None
-
-    def client(self) -> Upstream: ...
-
-    def set_client(self, client: Upstream | None) -> None: ...
-
-
-@asynccontextmanager
-async def upstream_client(state: ProxyState) -> AsyncIterator[Upstream]:
-    """Open the proxy's upstream client on ``state`` for the app's lifetime; closed on exit."""
-    client = Upstream(state.upstream, timeout_s=state.timeout_s)
-    state.set_client(client)
-    try:
-        yield client
-    finally:
-        settle_captures(state)
-        await client.aclose()
-        state.set_client(None)
 
 
 def _request_headers(request: Request, drop: frozenset[str]) -> list[tuple[str, str]]:

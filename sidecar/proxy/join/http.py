@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ...tap import Tap
-from ..http.forward import settle_captures
+from ..http.state import ProxyState, settle_captures
 from .joiner import Joiner, JoinError
 from .peers import (
     TAKE_PATH,
@@ -112,14 +112,14 @@ def install_join(
 ) -> Joiner:
     """Add the trainer-report endpoints to a proxy app; returns its `Joiner`. ``peers`` are
     the other proxies behind the same router (``self_url`` is dropped from them)."""
-    state = app.state.proxy
+    state: ProxyState = app.state.proxy
     forwarder = TapForwarder(monitor, token or os.environ.get("TIMWATCH_TOKEN"))
     peer_client = PeerClient(peers, timeout_s=peer_timeout_s, self_url=self_url) if peers else None
     joiner = Joiner(
         state.capture,
         forwarder,
         default_run=run,
-        rollout_entropy=state.topk is not None,
+        rollout_entropy=state.rollout_entropy,
         report_ttl_s=report_ttl_s,
         peers=peer_client if peer_client is not None and peer_client.urls else None,
     )

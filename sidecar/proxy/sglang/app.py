@@ -18,7 +18,6 @@ Trainer reports and the forwarding of probes to the monitor are installed on top
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,32 +28,30 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
-from ..http.client import Upstream
 from ..http.forward import (
     ALL_METHODS,
-    DeferredCaptures,
     counters,
     forward_planned,
     healthz,
     passthrough,
     relay,
-    settle_captures,
-    upstream_client,
 )
 from ..http.relay import ProxyApp
+from ..http.state import DeferredCaptures, ProxyState, serving, settle_captures
 from ..records import HeldRecord
 from .answers import Capturer, answer_parts
 from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from .stream import relay_stream, stream_capture
 from .wire import dumps, loads, plan_request
 
-__all__ = ["create_app", "ProxyState"]
+__all__ = ["create_app", "SglangState"]
 
 log = logging.getLogger(__name__)
 
 
-class ProxyState:
-    """Everything one proxy instance holds: upstream client, capture store, prober, counters."""
+class SglangState(ProxyState):
+    """A `ProxyState` with what only the SGLang proxy holds: the top-k it asks for, the
+    vocabulary size, the prober and its sink, and the `Capturer` its answers go to."""
 
     def __init__(
         self,
@@ -69,34 +66,14 @@ class ProxyState:
     ) -> None:
         if topk is not None and topk <= 0:
             raise ValueError(f"topk must be a positive integer, got {topk}")
-        self.upstream = upstream.rstrip("/")
-        self.monitor = monitor
+        super().__init__(upstream, monitor=monitor, capture=capture, timeout_s=timeout_s)
         self.topk = topk
+        self.rollout_entropy = topk is not None
         self.probe_rate = probe_rate
         self.vocab_size = vocab_size
-        self.capture = capture
-        self.timeout_s = timeout_s
-        self._client: Upstream | None = None
-        # the SGLang proxy sets one (create_app); the vLLM proxy captures right after sending
-        self.deferred: DeferredCaptures | None = None
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
-        self.counters = {
-            "requests": 0,
-            "wire_errors": 0,
-            "upstream_errors": 0,
-            "partial_streams": 0,
-            "raw_streams": 0,
-        }
         self.capturer = Capturer(self.commit, self.counters, vocab_size)
-
-    def client(self) -> Upstream:
-        if self._client is None:
-            raise RuntimeError("proxy client not started (lifespan not run)")
-        return self._client
-
-    def set_client(self, client: Upstream | None) -> None:
-        self._client = client
 
     def commit(self, record: HeldRecord) -> None:
         self.capture.add(record)
@@ -105,7 +82,7 @@ class ProxyState:
 
 
 async def _generate(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
+    state: SglangState = request.app.state.proxy
     state.counters["requests"] += 1
     raw = await request.body()
     try:
@@ -127,7 +104,7 @@ async def _generate(request: Request) -> Response:
 
 
 async def _records(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
+    state: SglangState = request.app.state.proxy
     settle_captures(state)
     records = [r.to_dict() for r in state.capture.snapshot()]
     return JSONResponse(
@@ -140,7 +117,7 @@ async def _records(request: Request) -> Response:
 
 
 async def _probes(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
+    state: SglangState = request.app.state.proxy
     prober = state.prober
     return JSONResponse(
         {
@@ -167,27 +144,22 @@ def create_app(
     """Build the proxy app. ``timeout_s=None`` waits as long as the client does, so the
     client's own timeout decides; ``vocab_size`` enables the top-k tail bound; records no
     trainer collects are held for ``ttl_s`` and in at most ``max_held_bytes``."""
-    state = ProxyState(
+    if capture is None:
+        capture = CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
+    state = SglangState(
         upstream,
         monitor=monitor,
         topk=topk,
         probe_rate=probe_rate,
         vocab_size=vocab_size,
-        capture=(
-            capture
-            if capture is not None
-            else CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
-        ),
+        capture=capture,
         timeout_s=timeout_s,
     )
     deferred = state.deferred = DeferredCaptures()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with upstream_client(state) as client:
-            # Everything allocated so far lives as long as the proxy: keep it out of the
-            # collector's scans, which then only walk what requests allocate.
-            gc.freeze()
+        async with serving(state) as client:
             if probe_rate > 0.0:
                 state.prober = Prober(
                     client,

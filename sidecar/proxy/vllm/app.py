@@ -20,7 +20,6 @@ Trainer reports are installed on top by `proxy.join.http.install_join`.
 
 from __future__ import annotations
 
-import gc
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ....monitor.core.jsoncodec import dumps, loads
 from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
 from ..http.forward import (
     ALL_METHODS,
@@ -38,10 +38,8 @@ from ..http.forward import (
     healthz,
     passthrough,
     relay,
-    upstream_client,
 )
-from ..sglang.app import ProxyState
-from ..sglang.wire import dumps, loads
+from ..http.state import ProxyState, serving
 from .capture import (
     COUNTER_NAMES,
     VllmCapturer,
@@ -50,7 +48,7 @@ from .capture import (
 )
 from .edit import plan_request
 
-__all__ = ["create_app", "LOGPROBS_MODES", "ENDPOINTS"]
+__all__ = ["create_app", "LOGPROBS_MODES", "ENDPOINTS", "VllmState"]
 
 # the capture's counters and the relay's
 _COUNTERS = (*COUNTER_NAMES, "partial_streams")
@@ -63,15 +61,28 @@ ENDPOINTS = {
 }
 
 
-def _vllm(state: ProxyState) -> VllmCapturer:
-    cap = state.vllm_capturer  # type: ignore[attr-defined]
-    assert isinstance(cap, VllmCapturer)
-    return cap
+class VllmState(ProxyState):
+    """A `ProxyState` with the vLLM proxy's counters and the `VllmCapturer` its answers go to
+    (which knows the engine's log-prob mode)."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        monitor: str | None,
+        logprobs_mode: str,
+        capture: CaptureStore,
+        timeout_s: float | None,
+    ) -> None:
+        super().__init__(upstream, monitor=monitor, capture=capture, timeout_s=timeout_s)
+        for name in _COUNTERS:
+            self.counters.setdefault(name, 0)
+        self.capturer = VllmCapturer(self.commit, self.counters, logprobs_mode)
 
 
 async def _endpoint(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
-    cap = _vllm(state)
+    state: VllmState = request.app.state.proxy
+    cap = state.capturer
     state.counters["requests"] += 1
     raw = await request.body()
     try:
@@ -95,7 +106,7 @@ async def _endpoint(request: Request) -> Response:
 async def _records_finite(request: Request) -> Response:
     """`/timwatch/records`, with a log-prob of -inf (a token the engine gave probability 0)
     listed as null: JSON has no infinity."""
-    state: ProxyState = request.app.state.proxy
+    state: VllmState = request.app.state.proxy
     records = []
     for rec in state.capture.snapshot():
         d = rec.to_dict()
@@ -107,7 +118,7 @@ async def _records_finite(request: Request) -> Response:
 
 
 async def _metrics(request: Request) -> Response:
-    state: ProxyState = request.app.state.proxy
+    state: VllmState = request.app.state.proxy
     lines = []
     help_ = {
         "requests": "Requests to the captured endpoints.",
@@ -148,29 +159,19 @@ def create_app(
     proxy cannot ask vLLM for it); ``timeout_s=None`` waits as long as the client does."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    state = ProxyState(
+    if capture is None:
+        capture = CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
+    state = VllmState(
         upstream,
         monitor=monitor,
-        topk=None,
-        probe_rate=0.0,
-        vocab_size=None,
-        capture=(
-            capture
-            if capture is not None
-            else CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
-        ),
+        logprobs_mode=logprobs_mode,
+        capture=capture,
         timeout_s=timeout_s,
-    )
-    for name in _COUNTERS:
-        state.counters.setdefault(name, 0)
-    state.vllm_capturer = VllmCapturer(  # type: ignore[attr-defined]
-        state.commit, state.counters, logprobs_mode
     )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with upstream_client(state):
-            gc.freeze()
+        async with serving(state):
             yield
 
     routes = [
