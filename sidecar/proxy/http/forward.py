@@ -12,11 +12,13 @@ passed back with its status, headers and body unchanged. The proxy state is
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from .client import UpstreamError, UpstreamResponse
 from .relay import RawStream, StreamSink, UpstreamStream
@@ -28,6 +30,8 @@ __all__ = [
     "forward_planned",
     "healthz",
     "passthrough",
+    "proxy_routes",
+    "records",
     "relay",
 ]
 
@@ -182,6 +186,25 @@ async def forward_planned(
     )
 
 
+async def records(request: Request) -> Response:
+    """``/timwatch/records``: the records held and the counters, with a log-prob of -inf (a
+    token the engine gave probability 0) listed as null: JSON has no infinity."""
+    state: ProxyState = request.app.state.proxy
+    settle_captures(state)
+    held = []
+    for rec in state.capture.snapshot():
+        d = rec.to_dict()
+        d["logp"] = [None if x == -math.inf else x for x in d["logp"]]
+        held.append(d)
+    return JSONResponse(
+        {
+            "records": held,
+            "capture": state.capture.counters.to_dict(),
+            "proxy": dict(state.counters),
+        }
+    )
+
+
 async def counters(request: Request) -> Response:
     state: ProxyState = request.app.state.proxy
     settle_captures(state)
@@ -197,3 +220,16 @@ async def counters(request: Request) -> Response:
 
 async def healthz(request: Request) -> Response:
     return JSONResponse({"ok": True})
+
+
+def proxy_routes(*routes: Route) -> list[Route]:
+    """A proxy app's routes: the debug endpoints both proxies serve (``/timwatch/records``,
+    ``/timwatch/counters``, ``/timwatch/healthz``), then ``routes``, then every other path
+    passed through (last: it matches any path)."""
+    return [
+        Route("/timwatch/records", records, methods=["GET"]),
+        Route("/timwatch/counters", counters, methods=["GET"]),
+        Route("/timwatch/healthz", healthz, methods=["GET"]),
+        *routes,
+        Route("/{path:path}", passthrough, methods=ALL_METHODS),
+    ]

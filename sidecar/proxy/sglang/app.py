@@ -8,7 +8,8 @@ path is forwarded byte for byte, streamed both ways. Upstream errors pass back u
 (status, headers, body). The proxy keeps no per-request state beyond the stream it is relaying.
 
 Read-only debug endpoints live under ``/timwatch/`` (SGLang has no such prefix):
-``/timwatch/records`` (held records and counters), ``/timwatch/counters`` (the counters
+``/timwatch/records`` (held records, a -inf log-prob as null, and counters; shared with the vLLM
+proxy in `proxy.http.forward`), ``/timwatch/counters`` (the counters
 alone: captured, evicted and ``evicted_bytes`` by the byte bound, ``held_bytes``),
 ``/timwatch/probes`` (recent probe results, prober counters and, with `proxy.sglang.probe_forward`,
 the forwarder's), ``/timwatch/healthz``.
@@ -28,16 +29,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
-from ..http.forward import (
-    ALL_METHODS,
-    counters,
-    forward_planned,
-    healthz,
-    passthrough,
-    relay,
-)
+from ..http.forward import forward_planned, proxy_routes, relay
 from ..http.relay import ProxyApp
-from ..http.state import DeferredCaptures, ProxyState, serving, settle_captures
+from ..http.state import DeferredCaptures, ProxyState, serving
 from ..records import HeldRecord
 from .answers import Capturer, answer_parts
 from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
@@ -103,19 +97,6 @@ async def _generate(request: Request) -> Response:
     )
 
 
-async def _records(request: Request) -> Response:
-    state: SglangState = request.app.state.proxy
-    settle_captures(state)
-    records = [r.to_dict() for r in state.capture.snapshot()]
-    return JSONResponse(
-        {
-            "records": records,
-            "capture": state.capture.counters.to_dict(),
-            "proxy": dict(state.counters),
-        }
-    )
-
-
 async def _probes(request: Request) -> Response:
     state: SglangState = request.app.state.proxy
     prober = state.prober
@@ -172,14 +153,10 @@ def create_app(
             if state.prober is not None:
                 await state.prober.drain()
 
-    routes = [
-        Route("/timwatch/records", _records, methods=["GET"]),
-        Route("/timwatch/counters", counters, methods=["GET"]),
+    routes = proxy_routes(
         Route("/timwatch/probes", _probes, methods=["GET"]),
-        Route("/timwatch/healthz", healthz, methods=["GET"]),
         Route("/generate", _generate, methods=["POST", "PUT"]),
-        Route("/{path:path}", passthrough, methods=ALL_METHODS),
-    ]
+    )
     app = ProxyApp(routes=routes, lifespan=lifespan)
     app.state.proxy = state
     return app

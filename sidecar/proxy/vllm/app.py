@@ -12,33 +12,25 @@ Records carry the request's sampling parameters and the engine's log-prob mode
 (``--logprobs-mode``, vLLM's default ``raw_logprobs``); samples whose μ is not the sampling
 distribution are counted as a sampling-side mismatch (`proxy.vllm.capture`).
 
-Debug endpoints as on the SGLang proxy: ``/timwatch/records`` (a -inf log-prob is null
-there), ``/timwatch/counters``,
+Debug endpoints as on the SGLang proxy (`proxy.http.forward.proxy_routes`):
+``/timwatch/records`` (a -inf log-prob is null there), ``/timwatch/counters``,
 ``/timwatch/healthz``, plus ``/timwatch/metrics`` (Prometheus text: the counters).
 Trainer reports are installed on top by `proxy.join.http.install_join`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from ....monitor.core.jsoncodec import dumps, loads
 from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
-from ..http.forward import (
-    ALL_METHODS,
-    counters,
-    forward_planned,
-    healthz,
-    passthrough,
-    relay,
-)
+from ..http.forward import forward_planned, proxy_routes, relay
 from ..http.state import ProxyState, serving
 from .capture import (
     COUNTER_NAMES,
@@ -103,20 +95,6 @@ async def _endpoint(request: Request) -> Response:
     )
 
 
-async def _records_finite(request: Request) -> Response:
-    """`/timwatch/records`, with a log-prob of -inf (a token the engine gave probability 0)
-    listed as null: JSON has no infinity."""
-    state: VllmState = request.app.state.proxy
-    records = []
-    for rec in state.capture.snapshot():
-        d = rec.to_dict()
-        d["logp"] = [None if x == -math.inf else x for x in d["logp"]]
-        records.append(d)
-    return JSONResponse(
-        {"records": records, "capture": state.capture.counters.to_dict(), "proxy": state.counters}
-    )
-
-
 async def _metrics(request: Request) -> Response:
     state: VllmState = request.app.state.proxy
     lines = []
@@ -174,14 +152,10 @@ def create_app(
         async with serving(state):
             yield
 
-    routes = [
-        Route("/timwatch/records", _records_finite, methods=["GET"]),
-        Route("/timwatch/counters", counters, methods=["GET"]),
+    routes = proxy_routes(
         Route("/timwatch/metrics", _metrics, methods=["GET"]),
-        Route("/timwatch/healthz", healthz, methods=["GET"]),
         *(Route(path, _endpoint, methods=["POST"]) for path in ENDPOINTS),
-        Route("/{path:path}", passthrough, methods=ALL_METHODS),
-    ]
+    )
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.proxy = state
     return app
