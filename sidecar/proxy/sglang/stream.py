@@ -9,7 +9,8 @@ records; a sample refused mid-stream goes on on the object path with what it hel
 Non-streamed answers: `proxy.sglang.answers`.
 
 Streams are cut into ``data: ...\\n\\n`` frames as bytes arrive, searching only the bytes not
-searched yet, and every frame complete in one read is relayed in one write.
+searched yet, and every frame complete in one read is relayed in one write (a changed
+request's stream by `proxy.http.sse.relay_frames`, as the vLLM proxy's).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
+from ..http.sse import relay_frames, terminator
 from ..native import cstream, scan_deltas
 from .answers import Capturer
 from .fastwire import (
@@ -205,7 +207,7 @@ class _Stream:
         return b"data: " + dumps(out) + b"\n\n"
 
 
-async def relay_stream(
+def relay_stream(
     cap: Capturer, plan: RequestPlan, chunks: AsyncIterator[bytes]
 ) -> AsyncIterator[bytes]:
     """Relay an SSE stream, capturing finished samples on the way.
@@ -213,30 +215,12 @@ async def relay_stream(
     When the proxy changed nothing in the request the client gets the upstream's bytes as they
     come, each read passed on at once; the frames are cut out and read beside it, the small
     delta chunks of a whole read in compiled passes (`_read_small`). Otherwise each
-    frame is restored on its own and every frame complete in one read goes out in one write."""
+    frame is restored on its own and every frame complete in one read goes out in one write
+    (`proxy.http.sse.relay_frames`)."""
     stream = _Stream(cap, plan)
     if not plan.changed:
-        async for chunk in _capture_reads(stream, chunks):
-            yield chunk
-        return
-    buf = bytearray()
-    searched = 0
-    async for chunk in chunks:
-        buf += chunk
-        start, out = 0, []
-        while True:
-            cut = _terminator(buf, max(searched - 1, start))
-            if cut < 0:
-                break
-            out.append(stream.frame(bytes(buf[start : cut + 2])))
-            start = cut + 2
-        if start:
-            del buf[:start]
-        searched = len(buf)
-        if out:
-            yield out[0] if len(out) == 1 else b"".join(out)
-    if buf:
-        yield bytes(buf)
+        return _capture_reads(stream, chunks)
+    return relay_frames(stream.frame, chunks)
 
 
 async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -309,7 +293,7 @@ class StreamReads:
             # the terminator may straddle two reads (compact JSON holds no raw newline)
             if chunk[:1] == b"\n" and parts[-1][-1:] == b"\n":
                 end = 1
-            elif (cut := _terminator(chunk, 0)) >= 0:
+            elif (cut := terminator(chunk, 0)) >= 0:
                 end = cut + 2
             else:
                 parts.append(memoryview(chunk))
@@ -326,7 +310,7 @@ class StreamReads:
                 if tail[-1:] == b"\n" and chunk[:1] == b"\n":
                     end = 1
                 else:
-                    end = _terminator(chunk, 0)
+                    end = terminator(chunk, 0)
                     end = end + 2 if end >= 0 else -1
                 if end < 0:
                     buf, search = tail + chunk, len(tail) - 1  # no frame ends in this read
@@ -339,14 +323,14 @@ class StreamReads:
                         _read_small(stream, head, 0)
                     pos = search = end
         self.tail = b""
-        cut = _terminator(buf, search)
+        cut = terminator(buf, search)
         if cut >= 0 and cut + 2 - pos > _SMALL_FRAME:
             # long frames (a cumulative stream): cut at memchr speed, each on its bytes
             while cut >= 0:
                 if not stream.whole(buf, pos, cut + 2):
                     stream.frame(buf[pos : cut + 2])
                 pos = cut + 2
-                cut = _terminator(buf, pos)
+                cut = terminator(buf, pos)
         if cut < 0:
             if len(buf) - pos > _SMALL_FRAME:
                 self.parts = [memoryview(buf)[pos:]]
@@ -354,20 +338,6 @@ class StreamReads:
                 self.tail = buf[pos:]
             return
         self.tail = buf[_read_small(stream, buf, pos) :]
-
-
-def _terminator(buf: bytes | bytearray, start: int) -> int:
-    """``buf.find(b"\\n\\n", start)`` at memchr speed: a one-byte ``find`` is a memchr, the
-    two-byte one was not (a third of a cumulative stream's proxy time); compact JSON holds no
-    raw newline, so the first newline found is almost always a frame's end."""
-    n = len(buf)
-    while True:
-        cut = buf.find(b"\n", start)
-        if cut < 0 or (cut + 1 < n and buf[cut + 1] == 10):
-            return cut
-        if cut + 1 >= n:
-            return -1
-        start = cut + 1
 
 
 def _read_small(stream: _Stream, buf: bytes, pos: int) -> int:
@@ -387,12 +357,12 @@ def _read_small(stream: _Stream, buf: bytes, pos: int) -> int:
             if not stopped:
                 return pos
         declined = used < 0
-        cut = _terminator(buf, pos)
+        cut = terminator(buf, pos)
         if cut < 0:
             return pos
         stream.frame(buf[pos : cut + 2])
         pos = cut + 2
-    while (cut := _terminator(buf, pos)) >= 0:
+    while (cut := terminator(buf, pos)) >= 0:
         stream.frame(buf[pos : cut + 2])
         pos = cut + 2
     return pos

@@ -1,9 +1,9 @@
 """Capturing vLLM answers and streams while relaying them (`proxy.vllm.edit` does the bytes).
 
 A non-streamed answer is edited and read in one structural walk; a stream is cut into
-``data: ...\\n\\n`` frames as bytes arrive, each frame edited on its own, and every frame
-complete in one read goes out in one write. A choice's tokens are gathered over its chunks and
-committed when a chunk carries its ``finish_reason``.
+``data: ...\\n\\n`` frames as bytes arrive (`proxy.http.sse.relay_frames`), each frame edited on
+its own, and every frame complete in one read goes out in one write. A choice's tokens are
+gathered over its chunks and committed when a chunk carries its ``finish_reason``.
 
 Each record carries the request's sampling parameters and the engine's log-prob mode. When the
 engine returns raw log-probs (vLLM's default) for a request that samples from another
@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ....monitor.core.errors import NotFast, WireError
+from ..http.sse import relay_frames
 from ..records import HeldRecord, version_runs
 from .edit import (
     ChoicePart,
@@ -250,23 +251,9 @@ class _Stream:
             self.cap.wire_error(f"stream choice {part.index}", exc)
 
 
-async def relay_stream(
+def relay_stream(
     cap: VllmCapturer, plan: VllmPlan, chunks: AsyncIterator[bytes]
 ) -> AsyncIterator[bytes]:
     """Relay vLLM's SSE stream frame by frame, edited and captured; every frame complete in
     one read goes out in one write, a partial frame waits for its end."""
-    stream = _Stream(cap, plan)
-    buf = b""
-    async for chunk in chunks:
-        buf = buf + chunk if buf else chunk
-        start, out = 0, []
-        cut = buf.find(b"\n\n")
-        while cut >= 0:
-            out.append(stream.frame(buf[start : cut + 2]))
-            start = cut + 2
-            cut = buf.find(b"\n\n", start)
-        buf = buf[start:]
-        if out:
-            yield out[0] if len(out) == 1 else b"".join(out)
-    if buf:
-        yield buf
+    return relay_frames(_Stream(cap, plan).frame, chunks)
