@@ -103,8 +103,9 @@ def _chunked(body: bytes, rng: random.Random) -> bytes:
 class RawUpstream(LoopServer):
     """An upstream on asyncio streams answering with ``self.answers[(path, stream)]`` in
     ``self.framing``, written in pieces; ``self.log`` holds ``(x-tag, connection number)`` per
-    request answered. ``framing`` ``"reset-head"`` closes the connection once the request is
-    read, ``"reset-body"`` after half the body (content-length, or chunked for a stream)."""
+    request read (logged before its answer is written). ``framing`` ``"reset-head"`` closes the
+    connection once the request is read, ``"reset-body"`` after half the body (content-length,
+    or chunked for a stream)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -143,11 +144,13 @@ class RawUpstream(LoopServer):
             while True:
                 method, path, headers, body = await self._request(reader)
                 tag = headers.get("x-tag", "")
+                # logged before the answer goes out, so a client that has its answer finds
+                # its request here
+                self.log.append((tag, conn))
                 framing, keep = self.framing, True
                 if path in ("/nothing", "/cached") or method == "HEAD":
                     wire = BODYLESS.get(path, BODYLESS["HEAD"])
                 elif framing == "reset-head":
-                    self.log.append((tag, conn))
                     return
                 else:
                     stream = bool(orjson.loads(body).get("stream"))
@@ -165,7 +168,6 @@ class RawUpstream(LoopServer):
                     writer.write(wire[at : at + step])
                     at += step
                     await writer.drain()
-                self.log.append((tag, conn))
                 if not keep:
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
