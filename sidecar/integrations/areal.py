@@ -94,14 +94,16 @@ class AReaLCollector:
 
 
 def worker_collector() -> AReaLCollector | None:
-    """The per-process collector from TIMWATCH_URL / TIMWATCH_RUN / TIMWATCH_TOKEN, if set
+    """The per-process collector, its tap from TIMWATCH_URL / TIMWATCH_RUN (default ``areal``) /
+    TIMWATCH_TOKEN / TIMWATCH_ON_PAGE (`timwatch.sidecar.tap.env.tap_from_env`), if set
     (TIMWATCH_AREAL_ESTR=1 turns the in-line ESTR mask on)."""
     global _COLLECTOR
-    url = os.environ.get("TIMWATCH_URL")
-    if _COLLECTOR is None and url:
-        from ..tap import Tap
+    if _COLLECTOR is None:
+        from ..tap.env import tap_from_env
 
-        tap = Tap(url, os.environ.get("TIMWATCH_RUN", "areal"), os.environ.get("TIMWATCH_TOKEN"))
+        tap = tap_from_env("areal")
+        if tap is None:
+            return None
         _COLLECTOR = AReaLCollector(tap, estr=os.environ.get("TIMWATCH_AREAL_ESTR", "0") == "1")
     return _COLLECTOR
 

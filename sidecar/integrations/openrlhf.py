@@ -62,14 +62,16 @@ _WARNED: set[str] = set()
 
 
 def worker_collector() -> TimwatchTracking | None:
-    """The per-process collector from TIMWATCH_URL / TIMWATCH_RUN / TIMWATCH_TOKEN, if set
-    (TIMWATCH_OPENRLHF_ESTR=1 turns the in-line ESTR mask on)."""
+    """The per-process collector, its tap from TIMWATCH_URL / TIMWATCH_RUN (default
+    ``openrlhf``) / TIMWATCH_TOKEN / TIMWATCH_ON_PAGE (`timwatch.sidecar.tap.env.tap_from_env`),
+    if set (TIMWATCH_OPENRLHF_ESTR=1 turns the in-line ESTR mask on)."""
     global _COLLECTOR, _ESTR
-    url = os.environ.get("TIMWATCH_URL")
-    if _COLLECTOR is None and url:
-        from ..tap import Tap
+    if _COLLECTOR is None:
+        from ..tap.env import tap_from_env
 
-        tap = Tap(url, os.environ.get("TIMWATCH_RUN", "openrlhf"), os.environ.get("TIMWATCH_TOKEN"))
+        tap = tap_from_env("openrlhf")
+        if tap is None:
+            return None
         _COLLECTOR = TimwatchTracking(tap)
         _ESTR = os.environ.get("TIMWATCH_OPENRLHF_ESTR", "0") == "1"
     return _COLLECTOR

@@ -63,15 +63,13 @@ _ACTIVE: contextvars.ContextVar[list[dict[str, torch.Tensor]] | None] = contextv
 
 
 def worker_tap() -> Any:
-    """The per-process `Tap` from TIMWATCH_URL / TIMWATCH_RUN / TIMWATCH_TOKEN, if set."""
+    """The per-process `Tap` from TIMWATCH_URL / TIMWATCH_RUN (default ``skyrl``) /
+    TIMWATCH_TOKEN / TIMWATCH_ON_PAGE (`timwatch.sidecar.tap.env.tap_from_env`), if set."""
     global _TAP
-    url = os.environ.get("TIMWATCH_URL")
-    if not url:
-        return None
     if _TAP is None:
-        from ..tap import Tap
+        from ..tap.env import tap_from_env
 
-        _TAP = Tap(url, os.environ.get("TIMWATCH_RUN", "skyrl"), os.environ.get("TIMWATCH_TOKEN"))
+        _TAP = tap_from_env("skyrl")
     return _TAP
 
 

@@ -48,22 +48,15 @@ _WORKER_BACKEND: plugin.TimwatchTracking | None = None
 
 
 def worker_backend() -> plugin.TimwatchTracking | None:
-    """The per-process collector from TIMWATCH_URL / TIMWATCH_RUN / TIMWATCH_TOKEN, if set;
-    TIMWATCH_ON_PAGE (``raise`` or ``marker:PATH``) is its tap's guard action (``on_page``)."""
+    """The per-process collector, its tap from TIMWATCH_URL / TIMWATCH_RUN (default ``verl``) /
+    TIMWATCH_TOKEN / TIMWATCH_ON_PAGE (`timwatch.sidecar.tap.env.tap_from_env`), if set."""
     global _WORKER_BACKEND
-    url = os.environ.get("TIMWATCH_URL")
-    if not url:
-        return None
     if _WORKER_BACKEND is None:
-        from ..tap import Tap
-        from ..tap.guard import on_page_from_env
+        from ..tap.env import tap_from_env
 
-        tap = Tap(
-            url,
-            os.environ.get("TIMWATCH_RUN", "verl"),
-            os.environ.get("TIMWATCH_TOKEN"),
-            on_page=on_page_from_env(os.environ.get("TIMWATCH_ON_PAGE")),
-        )
+        tap = tap_from_env("verl")
+        if tap is None:
+            return None
         _WORKER_BACKEND = plugin.TimwatchTracking(tap)
     return _WORKER_BACKEND
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from timwatch.monitor.core.errors import InputError, RunPaged, TimwatchError
+from timwatch.monitor.core.errors import ConfigError, InputError, RunPaged, TimwatchError
 from timwatch.monitor.core.page import PAGE_HEADER, Page, format_page, parse_page
 from timwatch.monitor.service.pages import PageBoard, parse_time
 from timwatch.sidecar.tap import MarkerFile
@@ -201,7 +201,6 @@ def test_parse_time_against_datetime(text: str) -> None:
 
 
 def test_on_page_from_env(tmp_path: Path) -> None:
-    from timwatch.monitor.core.errors import ConfigError
     from timwatch.sidecar.tap.guard import on_page_from_env
 
     assert on_page_from_env(None) is None and on_page_from_env("  ") is None
@@ -211,6 +210,49 @@ def test_on_page_from_env(tmp_path: Path) -> None:
     for bad in ("stop", "marker:", "Raise"):
         with pytest.raises(ConfigError, match="TIMWATCH_ON_PAGE must be 'raise' or 'marker:PATH'"):
             on_page_from_env(bad)
+
+
+def test_tap_from_env_reads_the_four_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one reading of the environment behind every plug-in's tap (verl, AReaL, OpenRLHF,
+    SkyRL): no TIMWATCH_URL, no tap (and nothing else is read); else TIMWATCH_RUN (the
+    framework's name when unset or empty), TIMWATCH_TOKEN and TIMWATCH_ON_PAGE."""
+    from timwatch.sidecar.tap.env import tap_from_env
+
+    url = "http://127.0.0.1:9"
+    assert tap_from_env("verl", {}) is None
+    assert tap_from_env("verl", {"TIMWATCH_URL": "", "TIMWATCH_ON_PAGE": "stop"}) is None
+    with pytest.raises(ConfigError, match="TIMWATCH_ON_PAGE must be 'raise' or 'marker:PATH'"):
+        tap_from_env("verl", {"TIMWATCH_URL": url, "TIMWATCH_ON_PAGE": "stop"})
+    cases = [
+        ({}, "areal", None, None),
+        ({"TIMWATCH_RUN": "r7", "TIMWATCH_TOKEN": "t0k", "TIMWATCH_ON_PAGE": "raise"},
+         "r7", "Bearer t0k", "raise"),
+        ({"TIMWATCH_RUN": "", "TIMWATCH_ON_PAGE": f"marker:{tmp_path / 'STOP'}"},
+         "areal", None, MarkerFile),
+    ]  # fmt: skip
+    for extra, run, auth, on_page in cases:
+        tap = tap_from_env("areal", {"TIMWATCH_URL": url + "/", **extra})
+        assert tap is not None
+        try:
+            assert (tap.url, tap.run, tap._headers.get("Authorization")) == (url, run, auth)
+            if on_page is MarkerFile:
+                assert isinstance(tap._guard.on_page, MarkerFile)
+                assert tap._guard.on_page.path == tmp_path / "STOP"
+            else:
+                assert tap._guard.on_page == on_page
+        finally:
+            tap.close(0, finish=False)
+    monkeypatch.setenv("TIMWATCH_URL", url)  # by default, the process's environment
+    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    monkeypatch.delenv("TIMWATCH_RUN", raising=False)
+    tap = tap_from_env("skyrl")
+    assert tap is not None
+    try:
+        assert tap.run == "skyrl" and tap._guard.on_page == "raise"
+    finally:
+        tap.close(0, finish=False)
 
 
 def test_verl_workers_tap_takes_on_page_from_the_environment(
@@ -232,3 +274,8 @@ def test_verl_workers_tap_takes_on_page_from_the_environment(
     finally:
         backend.tap.close(0, finish=False)  # type: ignore[attr-defined]
         monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", None)
+    # a bad value stops the worker's first update, as it stops every plug-in's: no tap is made
+    monkeypatch.setenv("TIMWATCH_ON_PAGE", "Raise")
+    with pytest.raises(ConfigError, match="TIMWATCH_ON_PAGE"):
+        verl_hooks.worker_backend()
+    assert verl_hooks._WORKER_BACKEND is None

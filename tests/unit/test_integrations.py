@@ -256,8 +256,9 @@ def test_actor_hooks_feed_the_loss_and_report_each_step_once(
     assert arrays["cu_seqlens"].tolist() == cu_ref.tolist()
     for key in ("logp_rollout", "logp_train", "entropy", "loss_mask"):
         assert torch.equal(arrays[key], ref[key]), key
-    # without TIMWATCH_URL the hooks still feed the loss, nothing is reported
+    # a process without TIMWATCH_URL: the hooks still feed the loss, nothing is reported
     monkeypatch.delenv("TIMWATCH_URL")
+    monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", None)
     actor.update_policy(data)
     assert len(tap.reports) == 1
 
