@@ -26,7 +26,9 @@ Invariants:
 - One report per step and data-parallel rank, batch id `areal-s{step}-dp{rank}`: a step redone
   after a resume is a replay or a 409 conflict at the monitor, never extra tokens. Only the data
   parallel head reports (the other ranks of its group hold the same tokens).
-- The tap never breaks training: a failing report is logged, not raised.
+- The tap never breaks training: a failing report is logged, not raised. The one exception is
+  the guard's `RunPaged` (TIMWATCH_ON_PAGE=raise): it leaves `ppo_update` after the step's
+  update and report, and stops the run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ...monitor.core.errors import RunPaged
 from ...monitor.core.masks import estr_keep_mask
 from .verl_loss import SupportsReport
 
@@ -75,7 +78,8 @@ class AReaLCollector:
         self._pending = []
 
     def report(self, step: int, rank: int) -> None:
-        """Report what was captured as one batch for `step`, then forget it."""
+        """Report what was captured as one batch for `step`, then forget it. A failing report
+        is logged; only the guard's `RunPaged` (``on_page="raise"``) is raised."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -89,6 +93,8 @@ class AReaLCollector:
             self.tap.report(
                 step, cu_seqlens=torch.cat(pieces), batch_id=f"areal-s{step}-dp{rank}", **arrays
             )
+        except RunPaged:  # the guard's on_page="raise": the one stop the user asked for
+            raise
         except Exception:  # the tap must never break training
             log.exception("timwatch tap.report failed at step %s", step)
 

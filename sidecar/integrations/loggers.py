@@ -9,8 +9,9 @@
 
 Invariants: only numbers reach the tap (media, tables, strings and arrays that trackers also
 accept are left out, counted in ``skipped``), so a logged dict is never refused for one odd
-value; a hook never raises into the trainer (`Tap.log` does not) and never changes what the
-trainer's own loggers receive. Imports neither torch nor the frameworks.
+value; a hook never raises into the trainer (`Tap.log` does not), but for the guard's
+`RunPaged` when the tap was built with ``on_page="raise"`` (the stop the user asked for), and
+never changes what the trainer's own loggers receive. Imports neither torch nor the frameworks.
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ Invariants:
   `train.max_epochs` > 1 only the first epoch's micro-batches are reported (each token once).
 - Ring attention and DeepSpeed tensor parallelism (ranks that share tokens) and sample packing
   are not supported: the plug-in reports nothing then and says so once.
-- The tap never breaks training: a failing report is logged, not raised.
+- The tap never breaks training: a failing report is logged, not raised. The one exception is
+  the guard's `RunPaged` (TIMWATCH_ON_PAGE=raise): it leaves `ppo_train` after the update and
+  its report, and stops the run.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ Invariants:
 - Response tensors are SkyRL's right-aligned `[batch, num_actions]`: a row's sequence is its
   `response_mask` span (the last tokens), loss-mask zeros inside it stay with loss_mask 0;
   SkyRL's padding micro-batches (`is_padding_batch`) are skipped.
+- The tap never breaks training: a failing report is logged, not raised. The one exception is
+  the guard's `RunPaged` (TIMWATCH_ON_PAGE=raise): it leaves the policy worker's
+  `forward_backward` after the mini-batch and its report (and `on_log` of `timwatch_callback`
+  after the logged numbers), and stops the run.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ...monitor.core.errors import RunPaged
 from .skyrl_loss import ESTR_LOSS_NAME, clear_entropy, compute_policy_loss_estr, set_entropy
 
 __all__ = [
@@ -150,6 +155,8 @@ def _report(worker: Any, data: Any, parts: list[dict[str, torch.Tensor]]) -> Non
     tap = worker_tap()
     try:
         tap.report(step, batch_id=f"skyrl-s{step}-dp{dp}-m{k}", **_merge(parts))
+    except RunPaged:  # the guard's on_page="raise": the one stop the user asked for
+        raise
     except Exception:  # the tap must never break training
         log.exception("timwatch tap.report failed at step %s", step)
 

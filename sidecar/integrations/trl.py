@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ...monitor.core.errors import RunPaged
 from ...monitor.core.masks import estr_keep_mask
 from .verl_loss import pack_padded
 
@@ -117,7 +118,9 @@ class TimwatchGRPOMixin:
     Overrides `_generate_and_score_completions` (to report the batch it returns) and
     `_get_per_token_logps_and_entropies` (to have TRL's own old-log-prob forward compute the
     entropy as well, so π and H cost no extra forward when TRL runs it). A failure here is
-    logged once and never stops training."""
+    logged once and never stops training, but for the guard's `RunPaged` (a tap with
+    ``on_page="raise"``): it leaves `_generate_and_score_completions`, and so `train()`, before
+    the batch is trained."""
 
     timwatch_tap: SupportsReport | None = None
     #: (tau, eps) to apply ESTR in TRL's loss (`apply_estr`); None: TRL's loss unchanged
@@ -161,6 +164,8 @@ class TimwatchGRPOMixin:
             try:
                 arrays = pack_grpo_batch(output, logp_train, entropy)
                 tap.report(step, **arrays, policy_version=step - 1)
+            except RunPaged:  # the guard's on_page="raise": the one stop the user asked for
+                raise
             except Exception as exc:  # noqa: BLE001 - the plug-in must never break training
                 if not self._timwatch_failed:
                     self._timwatch_failed = True
@@ -208,7 +213,9 @@ class TimwatchLogForwarder:
     forwards each of TRL's training-step logs (``sampling/*``, rewards, loss, ...; not
     evaluation logs nor the end-of-training summary) on the main process to
     ``tap.log(step, logs, source="trl")`` under TRL's global step, where the tap has `log`;
-    at the end of training waits up to ``flush_s`` seconds for the tap to ship what it holds."""
+    at the end of training waits up to ``flush_s`` seconds for the tap to ship what it holds.
+    A failing ``tap.log`` is logged, never raised, but for the guard's `RunPaged` (a tap with
+    ``on_page="raise"``), which leaves `on_log`, and so `train()`."""
 
     def __init__(self, tap: Any, flush_s: float = 30.0) -> None:
         self.tap = tap
@@ -227,6 +234,8 @@ class TimwatchLogForwarder:
             return
         try:
             send(int(state.global_step), scalars, source="trl")
+        except RunPaged:  # the guard's on_page="raise": the one stop the user asked for
+            raise
         except Exception as exc:  # noqa: BLE001 - the plug-in must never break training
             log.warning("timwatch: forwarding TRL's logs failed: %s", exc)
 

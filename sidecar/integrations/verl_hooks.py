@@ -17,6 +17,10 @@ Invariants:
   group hold the same tokens.
 - With `loss_mode=estr` the worker hook forces `calculate_entropy=True` on the update batch, so
   H exists whatever `entropy_coeff` is (verl adds `entropy_coeff · H` to the loss: 0 at 0).
+- The tap never breaks training: a failing report is logged, not raised. The one exception is
+  the guard's `RunPaged` (TIMWATCH_ON_PAGE=raise): it leaves the worker's update
+  (`train_mini_batch`, or the legacy `update_policy`) after the update and its report, and
+  stops the run.
 """
 
 from __future__ import annotations

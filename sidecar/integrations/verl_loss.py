@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...monitor.core.errors import ConfigError, PluginContextError
+from ...monitor.core.errors import ConfigError, PluginContextError, RunPaged
 from ...monitor.core.masks import estr_keep_mask
 from ...monitor.trainer.losses import k3, ppo_clip_token_loss
 
@@ -327,6 +327,9 @@ class TimwatchTracking:
         `passes` > 1 (verl's `ppo_epochs`) keeps only the first pass, so each token once.
         `batch_id` (the hooks use `verl-s{step}-dp{dp_rank}`) makes a second report of the same
         step and rank a replay or a conflict at the monitor, never extra tokens.
+
+        A failing report is logged, never raised, but for the guard's `RunPaged` (the tap's
+        ``on_page="raise"``), which leaves here after the batch is queued.
         """
         del data
         pending, self._pending = self._pending, []
@@ -346,6 +349,8 @@ class TimwatchTracking:
                 self.tap.report(step, cu_seqlens=cu, **arrays)
             else:
                 self.tap.report(step, cu_seqlens=cu, batch_id=batch_id, **arrays)
+        except RunPaged:  # the guard's on_page="raise": the one stop the user asked for
+            raise
         except Exception:  # the tap must never break training
             log.exception("timwatch tap.report failed at step %s", step)
 
