@@ -1,12 +1,16 @@
-"""What the tests inside real trainer packages (verl, OpenRLHF, AReaL, SkyRL; marked
+"""What the tests inside real trainer packages (verl, OpenRLHF, AReaL, SkyRL, TRL; marked
 ``framework``, which the quick tier does not collect: tests/conftest.py, `pytest_ignore_collect`)
 share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RecordingTap"]
+from tests.helpers.pages import page
+from timwatch.monitor.core.errors import RunPaged
+
+__all__ = ["RaisingTap", "RecordingTap", "stopped_by_page"]
 
 
 class RecordingTap:
@@ -17,3 +21,43 @@ class RecordingTap:
 
     def report(self, step: int, **arrays: Any) -> None:
         self.reports.append((step, arrays))
+
+
+class RaisingTap:
+    """Stands where a plug-in's `Tap` goes; every ``report`` (and ``log``) raises `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.calls = 0
+
+    def report(self, step: int, **arrays: Any) -> None:
+        self.calls += 1
+        raise self.error
+
+    def log(self, step: int, scalars: Any, **kw: Any) -> None:
+        self.calls += 1
+        raise self.error
+
+
+def stopped_by_page(
+    url: str, token: str, run: str, step: Callable[[int], object], tap: Callable[[], Any],
+    *, paged_after: int = 2, steps: int = 8,
+) -> tuple[int, RunPaged]:  # fmt: skip
+    """Drive a plug-in's run against the service at `url`: ``step(i)`` runs training step i
+    through the framework's own code for i = 0, 1, ..., then ``tap()`` (the plug-in's tap) is
+    flushed, so the answers to what it reported are in; after step `paged_after` Alertmanager's
+    webhook pages `run`. Returns the i whose step raised `RunPaged`, and the exception; fails
+    if none did within `steps`.
+
+    The answer to step ``paged_after + 1``'s report carries the page (that report checked the
+    guard before its answer came), so a plug-in that lets the guard's `RunPaged` out stops at
+    step ``paged_after + 2``, after queuing its report."""
+    for i in range(steps):
+        try:
+            step(i)
+        except RunPaged as exc:
+            return i, exc
+        assert tap().flush(30)
+        if i == paged_after:
+            assert page(url, run, token) == [run]
+    raise AssertionError(f"no RunPaged out of {steps} steps: the page never stopped the run")

@@ -112,19 +112,21 @@ class VllmRollout:
 
 
 def train(
-    model_dir: Path, tap: Tap, out: Path, *, steps: int, engine: EngineClient | None = None,
-    estr_tau: float | None = None,
+    model_dir: Path, tap: Any, out: Path, *, steps: int, engine: EngineClient | None = None,
+    estr_tau: float | None = None, callbacks: tuple[Any, ...] = (), report: bool = True,
 ) -> tuple[Any, LogCapture]:  # fmt: skip
     """`steps` optimizer steps of `TimwatchGRPOTrainer` (one generation batch of `PER_STEP`
     completions per step, fp32 on the CPU); with ``engine``, generation on vLLM (module doc);
-    ``estr_tau``: ESTR in TRL's loss. Returns the trainer (its ``loss_rows``: per step, the
-    (completion ids, loss mask) rows that TRL's `_compute_loss` received) and TRL's logs."""
+    ``estr_tau``: ESTR in TRL's loss; ``callbacks`` join TRL's (after the log capture, before
+    `TimwatchCallback`); ``report=False``: the trainer reports no batches, only TRL's logs
+    reach `tap` (through `TimwatchCallback`). Returns the trainer (its ``loss_rows``: per step,
+    the (completion ids, loss mask) rows that TRL's `_compute_loss` received) and TRL's logs."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from trl import GRPOConfig
 
-    from timwatch.sidecar.integrations.trl import TimwatchGRPOTrainer
+    from timwatch.sidecar.integrations.trl import TimwatchCallback, TimwatchGRPOTrainer
 
     class Trainer(TimwatchGRPOTrainer):
         loss_rows: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
@@ -157,7 +159,9 @@ def train(
     trainer = Trainer(
         model=model, processing_class=tok, args=config, train_dataset=data,
         reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-        rollout_func=rollout, callbacks=[capture], tap=tap, estr_tau=estr_tau,
+        rollout_func=rollout, estr_tau=estr_tau,
+        callbacks=[capture, *callbacks, *([] if report else [TimwatchCallback(tap)])],
+        tap=tap if report else None,
     )  # fmt: skip
     trainer.loss_rows = {}
     if engine is not None:

@@ -9,6 +9,9 @@ then `set_version(global_step + 1)`, then a checkpoint every `SAVE_FREQ` steps) 
 recovery (`areal/utils/recover.py`: load the weights, `set_version(last global_step + 1)`), which
 cannot run without its launcher, rollout engine and saver; the checkpoint is the tiny model's
 weights and the last step, in a folder.
+
+And the guard through the plug-in: with TIMWATCH_ON_PAGE=raise, AReaL's `ppo_update` raises
+`RunPaged` at the step after the service pages the run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ else:
 
 from tests.helpers import areal_tiny as at
 from tests.helpers import logs
+from tests.helpers.frameworks import stopped_by_page
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.reference import reference
 from tests.helpers.verl_tiny import TinyModel
@@ -97,3 +101,40 @@ def test_resumed_run_keeps_every_steps_tokens_once(
         assert res["series"]["tokens"][i] == want["tokens"], step
         kl = res["series"]["mismatch_kl"][i]
         assert kl == pytest.approx(want["mismatch_kl"], rel=1e-4), step  # float32 arrays
+
+
+def test_a_paged_run_stops_at_the_step_after_its_page(
+    shared_server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMWATCH_ON_PAGE=raise reaches the plug-in's tap, and its `RunPaged` leaves AReaL's
+    `ppo_update` (the plug-in logs and swallows every other tap failure): the run stops at the
+    step after the page, with that step's batch kept."""
+    run = fresh_run("areal-guard")
+    assert plugin.install()
+    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
+        monkeypatch.setenv(f"TIMWATCH_{name}", value)
+    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    monkeypatch.setattr(plugin, "_COLLECTOR", None)  # a new process
+    model = TinyModel(0)
+    engine = at.TinyEngine(model)
+    actor = at.actor(engine)
+
+    def step(global_step: int) -> None:  # PPOTrainer.train: the actor update, then the version
+        at.update(actor, at.rollout_batch(global_step, model))
+        engine.set_version(global_step + 1)
+
+    def tap() -> Any:
+        collector = plugin.worker_collector()
+        assert collector is not None
+        return collector.tap
+
+    try:
+        stopped, err = stopped_by_page(shared_server.url, SHARED_TOKEN, run, step, tap)
+    finally:
+        assert tap().close(30, finish=False)
+    assert stopped == 4
+    assert err.run == run and err.alerts == ("TimwatchMismatchKLRising",)
+    assert engine.get_version() == stopped  # stopped inside step 4's ppo_update
+    with shared_server.client() as c:
+        res = c.get(f"/v1/runs/{run}/metrics", params={"names": "tokens"}).json()
+    assert res["steps"] == [0, 1, 2, 3, 4]  # the stopping step's batch was kept

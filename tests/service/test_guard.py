@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.helpers.pages import webhook
 from tests.helpers.procs import ServerProc
 from timwatch.monitor.core.errors import RunPaged
 from timwatch.sidecar.tap import MarkerFile, Page, Tap
@@ -31,20 +32,6 @@ def arrays(step: int) -> dict[str, Any]:
         "entropy": rng.random(12).astype(np.float32),
         "loss_mask": np.ones(12, np.int8),
     }
-
-
-def webhook(run: str, status: str = "firing", name: str = "TimwatchMismatchKLRising") -> Any:
-    return {
-        "version": "4", "status": status, "receiver": "timwatch-guard",
-        "groupLabels": {"alertname": name}, "commonLabels": {}, "commonAnnotations": {},
-        "externalURL": "http://alertmanager:9093", "groupKey": "{}:{alertname=\"x\"}",
-        "alerts": [{
-            "status": status,
-            "labels": {"alertname": name, "run": run, "severity": "page"},
-            "annotations": {}, "startsAt": "2026-12-05T21:00:00.5Z",
-            "endsAt": "0001-01-01T00:00:00Z", "generatorURL": "", "fingerprint": "0f1e2d",
-        }],
-    }  # fmt: skip
 
 
 def post_webhook(srv: ServerProc, body: Any, token: str | None = TOKEN) -> httpx.Response:

@@ -8,6 +8,9 @@ follows `PPOTrainer.fit` on the driver (`global_step` from the loaded checkpoint
 `train_step` per batch of rollouts, a checkpoint every `SAVE_STEPS` steps, saved under the tag
 `global_step{N}`), which cannot run without Ray, DeepSpeed and vLLM on GPUs; its checkpoint is
 the tiny model's weights and DeepSpeed's `latest` tag file, in OpenRLHF's `{ckpt.path}/_actor`.
+
+And the guard through the plug-in: with TIMWATCH_ON_PAGE=raise, the actor's `ppo_train` raises
+`RunPaged` at the update after the service pages the run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ else:
     pytest.importorskip("openrlhf")
 
 from tests.helpers import openrlhf_tiny as ot
+from tests.helpers.frameworks import stopped_by_page  # noqa: E402
 from tests.helpers.procs import SHARED_TOKEN, ServerProc  # noqa: E402
 from tests.helpers.reference import reference  # noqa: E402
 from tests.helpers.wire import fresh_run  # noqa: E402
@@ -111,3 +115,37 @@ def test_resumed_run_keeps_every_steps_tokens_once(
         assert res["series"]["tokens"][i] == want["tokens"], step
         kl = res["series"]["mismatch_kl"][i]
         assert kl == pytest.approx(want["mismatch_kl"], rel=1e-4), step  # float32 arrays
+
+
+def test_a_paged_run_stops_at_the_update_after_its_page(
+    shared_server: ServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMWATCH_ON_PAGE=raise reaches the plug-in's tap, and its `RunPaged` leaves OpenRLHF's
+    `ppo_train` (the plug-in logs and swallows every other tap failure): the run stops at the
+    update after the page, with that update's batch kept."""
+    run = fresh_run("openrlhf-guard")
+    assert plugin.install()
+    ot.cpu_patches(monkeypatch)
+    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
+        monkeypatch.setenv(f"TIMWATCH_{name}", value)
+    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    monkeypatch.setattr(plugin, "_COLLECTOR", None)  # a new process
+    model = ot.tiny_llama(0)
+    trainer = ot.trainer(model, ot.args(ckpt_path=str(tmp_path)))
+
+    def step(i: int) -> None:  # PPOTrainer.train_step: the actor's fit, global step i + 1
+        ot.update(trainer, ot.experience(i, model)[0])
+
+    def tap() -> Any:
+        collector = plugin.worker_collector()
+        assert collector is not None
+        return collector.tap
+
+    try:
+        stopped, err = stopped_by_page(shared_server.url, SHARED_TOKEN, run, step, tap)
+    finally:
+        assert tap().close(30, finish=False)
+    assert stopped == 4 and err.run == run and err.alerts == ("TimwatchMismatchKLRising",)
+    with shared_server.client() as c:
+        res = c.get(f"/v1/runs/{run}/metrics", params={"names": "tokens"}).json()
+    assert res["steps"] == [1, 2, 3, 4, 5]  # OpenRLHF's global steps; the stopping one kept

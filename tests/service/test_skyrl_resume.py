@@ -8,6 +8,9 @@ checks the folder, loads `trainer_state.pt` and hands the policy folder to the d
 the order of `RayPPOTrainer.train` (load the checkpoint, `global_step += 1`, train, save every
 `ckpt_interval` steps), which cannot run without Ray workers and an inference engine; its
 checkpoint is the tiny model's weights in SkyRL's folder layout.
+
+And the guard through the plug-in: with TIMWATCH_ON_PAGE=raise, the policy worker's
+`forward_backward` raises `RunPaged` at the step after the service pages the run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from tests.helpers import skyrl_tiny as st
 
 st.import_skyrl()
 
+from tests.helpers.frameworks import stopped_by_page  # noqa: E402
 from tests.helpers.procs import SHARED_TOKEN, ServerProc  # noqa: E402
 from tests.helpers.reference import reference  # noqa: E402
 from tests.helpers.wire import fresh_run  # noqa: E402
@@ -179,3 +183,40 @@ def test_skyrls_logged_scalars_reach_the_history_once_across_a_resume(
     assert hist["scalars"]["loss"] == [-0.1] * 4
     assert hist["scalars"]["clip_fraction"] == [0.02] * 4
     assert set(hist["sources"].values()) == {"skyrl"}
+
+
+def test_a_paged_run_stops_at_the_step_after_its_page(
+    shared_server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMWATCH_ON_PAGE=raise reaches the plug-in's tap, and its `RunPaged` leaves SkyRL's
+    `train_critic_and_policy` through the worker's `forward_backward` (the plug-in logs and
+    swallows every other tap failure): the run stops at the step after the page, with that
+    step's batch kept. One mini-batch per step: one report, one guard check."""
+    from skyrl.train.trainer import RayPPOTrainer
+
+    run = fresh_run("skyrl-guard")
+    assert plugin.register_with_skyrl()
+    st.cpu_device_patches(monkeypatch)
+    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
+        monkeypatch.setenv(f"TIMWATCH_{name}", value)
+    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    monkeypatch.setattr(plugin, "_TAP", None)  # a new process
+    model = st.TinyPolicy(0)
+    cfg = st.trainer_config()
+    trainer = st.stub_trainer(cfg, st.LocalDispatch([st.make_worker(model, cfg)]), 0)
+
+    def step(i: int) -> None:  # RayPPOTrainer.train: global_step from 1
+        trainer.global_step = i + 1
+        batch = st.rollout_batch(i, model, bs=2)  # one mini-batch of 2 rows
+        RayPPOTrainer.train_critic_and_policy(trainer, batch)
+
+    try:
+        stopped, err = stopped_by_page(
+            shared_server.url, SHARED_TOKEN, run, step, plugin.worker_tap
+        )
+    finally:
+        assert plugin.worker_tap().close(30, finish=False)
+    assert stopped == 4 and err.run == run and err.alerts == ("TimwatchMismatchKLRising",)
+    with shared_server.client() as c:
+        res = c.get(f"/v1/runs/{run}/metrics", params={"names": "tokens"}).json()
+    assert res["steps"] == [1, 2, 3, 4, 5]  # SkyRL's global steps; the stopping one kept

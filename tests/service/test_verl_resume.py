@@ -9,6 +9,9 @@ checkpoint, `global_steps += 1`, skip the actor while `critic_warmup > global_st
 `save_freq` steps), which cannot run without Ray workers and a rollout engine; its checkpoint is
 the tiny model's weights in verl's folder layout (`global_step_{n}/actor`, tracker file
 `latest_checkpointed_iteration.txt`).
+
+And the guard through the plug-in: with TIMWATCH_ON_PAGE=raise, the worker's update raises
+`RunPaged` out of the driver's `_update_actor` at the step after the service pages the run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ else:
     pytest.importorskip("verl")
 
 from tests.helpers import verl_tiny as vt
+from tests.helpers.frameworks import stopped_by_page
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.reference import reference
 from tests.helpers.wire import fresh_run
@@ -127,3 +131,43 @@ def test_resumed_run_keeps_every_steps_tokens_once(
         want = expected_row(batches[step])
         assert res["series"]["tokens"][i] == want["tokens"], step
         assert res["series"]["mismatch_kl"][i] == pytest.approx(want["mismatch_kl"], rel=1e-9)
+
+
+def test_a_paged_run_stops_at_the_step_after_its_page(
+    shared_server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIMWATCH_ON_PAGE=raise reaches the workers' tap, and its `RunPaged` leaves the worker's
+    `train_mini_batch` and the driver's `_update_actor` (the plug-in logs and swallows every
+    other tap failure): the run stops at the step after the page, with that step's batch
+    kept."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    run = fresh_run("verl-guard")
+    assert plugin.register_with_verl()
+    vt.cpu_device_patches(monkeypatch)
+    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
+        monkeypatch.setenv(f"TIMWATCH_{name}", value)
+    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", None)  # a new process
+    model = vt.TinyModel(0)
+    group = vt.LocalActorGroup([vt.make_worker(vt.tiny_engine(model), vt.actor_config())])
+    trainer = vt.stub_trainer(vt.trainer_config(), group, 0)
+
+    def step(i: int) -> None:  # RayPPOTrainer.fit: global_steps from 1
+        trainer.global_steps = i + 1
+        RayPPOTrainer._update_actor(trainer, vt.rollout_batch(i, model))
+
+    def tap() -> Any:
+        backend = verl_hooks.worker_backend()
+        assert backend is not None
+        return backend.tap
+
+    with vt.gloo_world():
+        try:
+            stopped, err = stopped_by_page(shared_server.url, SHARED_TOKEN, run, step, tap)
+        finally:
+            assert tap().close(30, finish=False)
+    assert stopped == 4 and err.run == run and err.alerts == ("TimwatchMismatchKLRising",)
+    with shared_server.client() as c:
+        res = c.get(f"/v1/runs/{run}/metrics", params={"names": "tokens"}).json()
+    assert res["steps"] == [1, 2, 3, 4, 5]  # verl's global steps; the stopping one kept
