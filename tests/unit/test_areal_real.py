@@ -21,7 +21,7 @@ else:
 
 from tests.helpers import areal_tiny as at
 from tests.helpers import logs
-from tests.helpers.frameworks import RecordingTap
+from tests.helpers.frameworks import RaisingTap, RecordingTap
 from tests.helpers.verl_tiny import TinyModel
 from timwatch.sidecar.integrations import areal as plugin
 
@@ -169,14 +169,9 @@ def test_estr_zeroes_exactly_the_rejected_tokens(monkeypatch: pytest.MonkeyPatch
     assert torch.allclose(model.table, estr_table, atol=1e-6)
 
 
-class RaisingTap:
-    def report(self, step: int, **arrays: Any) -> None:
-        raise OSError("monitor down")
-
-
 def test_a_failing_tap_never_breaks_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
     assert plugin.install()
-    monkeypatch.setattr(plugin, "_COLLECTOR", plugin.AReaLCollector(RaisingTap()))
+    monkeypatch.setattr(plugin, "_COLLECTOR", plugin.AReaLCollector(RaisingTap(OSError("down"))))
     model = TinyModel(0)
     before = model.table.detach().clone()
     at.update(at.actor(at.TinyEngine(model)), at.rollout_batch(5, TinyModel(0)))

@@ -23,7 +23,7 @@ else:
     pytest.importorskip("openrlhf")
 
 from tests.helpers import openrlhf_tiny as ot
-from tests.helpers.frameworks import RecordingTap
+from tests.helpers.frameworks import RaisingTap, RecordingTap
 from timwatch.sidecar.integrations import openrlhf as plugin  # noqa: E402
 from timwatch.sidecar.integrations.verl_loss import TimwatchTracking  # noqa: E402
 
@@ -130,3 +130,16 @@ def test_estr_zeroes_the_rejected_tokens_advantages(
     ot.update(ot.trainer(plain, ot.args(), micro_batch=4), ot.experience(3, ot.tiny_llama(0))[0])
     pairs = zip(masked.parameters(), plain.parameters(), strict=True)
     assert any(not torch.allclose(a, b) for a, b in pairs)
+
+
+def test_a_failing_tap_never_breaks_the_update(
+    tap: RecordingTap, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = RaisingTap(OSError("monitor down"))
+    monkeypatch.setattr(plugin, "_COLLECTOR", TimwatchTracking(failing))
+    model = ot.tiny_llama(0)
+    before = [p.detach().clone() for p in model.parameters()]
+    ot.update(ot.trainer(model, ot.args(), micro_batch=4), ot.experience(5, model)[0])
+    assert failing.calls == 1  # reported, failed, logged
+    pairs = zip(model.parameters(), before, strict=True)
+    assert any(not torch.equal(a, b) for a, b in pairs)  # the update was taken

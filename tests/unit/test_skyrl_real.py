@@ -22,11 +22,11 @@ else:
     pytest.importorskip("skyrl")
 
 from tests.helpers import skyrl_tiny as st
-from tests.helpers.frameworks import RecordingTap
+from tests.helpers.frameworks import RaisingTap, RecordingTap
 
 st.import_skyrl()
 
-from timwatch.monitor.core.errors import PluginContextError, TimwatchError  # noqa: E402
+from timwatch.monitor.core.errors import PluginContextError, RunPaged, TimwatchError  # noqa: E402
 from timwatch.sidecar.integrations import skyrl as plugin  # noqa: E402
 from timwatch.sidecar.integrations import skyrl_loss  # noqa: E402
 
@@ -236,3 +236,38 @@ def test_callback_sends_skyrls_logged_numbers_under_its_step() -> None:
         "policy/rollout_train_logprobs_abs_diff_mean",
         "trainer/epoch",
     ]
+
+
+def test_a_failing_tap_never_breaks_the_update(
+    tap: RecordingTap, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = RaisingTap(OSError("monitor down"))
+    monkeypatch.setattr(plugin, "_TAP", failing)
+    model = st.TinyPolicy(0)
+    before = model.table.detach().clone()
+    train(model, st.rollout_batch(1, model), step=7)
+    assert failing.calls == 2  # each mini-batch reported, failed, logged
+    assert not torch.equal(model.table.detach(), before)  # the update was taken
+
+
+def test_callback_lets_the_guards_stop_through() -> None:
+    """A tap whose guard has seen the ``Timwatch-Page`` header, with ``on_page="raise"``:
+    `RunPaged` leaves SkyRL's `_fire("on_log", ...)` (after the numbers are queued)."""
+    from skyrl.train.trainer import RayPPOTrainer
+    from skyrl.train.utils.callbacks import CallbackHandler, TrainingControl
+
+    from timwatch.sidecar.tap import Tap
+
+    tap = Tap("http://127.0.0.1:9", "paged", on_page="raise", finish=False, max_retries=0)
+    tap._guard.observe({"timwatch-page": "firing; alerts=TimwatchMismatchKLRising"})
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.global_step, trainer._current_epoch = 5, 0
+    trainer.train_dataloader, trainer.total_training_steps = None, 40
+    trainer._callback_handler = CallbackHandler([plugin.timwatch_callback(tap)])
+    trainer._training_control = TrainingControl()
+    try:
+        with pytest.raises(RunPaged) as err:
+            trainer._fire("on_log", logs={"policy/grad_norm": 0.5})
+    finally:
+        tap.close(0)
+    assert err.value.run == "paged" and tap.stats()["reported"] == 1

@@ -23,7 +23,7 @@ else:
     pytest.importorskip("verl")
 
 from tests.helpers import verl_tiny as vt
-from tests.helpers.frameworks import RecordingTap
+from tests.helpers.frameworks import RaisingTap, RecordingTap
 from timwatch.monitor.core.errors import PluginContextError, TimwatchError
 from timwatch.sidecar.integrations import verl as plugin
 from timwatch.sidecar.integrations import verl_hooks
@@ -237,3 +237,15 @@ def test_verls_external_modules_variable_loads_the_plugin_and_its_hooks() -> Non
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("hooked")
+
+
+def test_a_failing_tap_never_breaks_the_update(
+    verl_env: RecordingTap, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing = RaisingTap(OSError("monitor down"))
+    monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", plugin.TimwatchTracking(failing))
+    model = vt.TinyModel(0)
+    before = model.table.detach().clone()
+    run_update(model, vt.rollout_batch(1, model), step=3)
+    assert failing.calls == 1  # reported, failed, logged
+    assert not torch.equal(model.table, before)  # the update was taken
