@@ -134,6 +134,11 @@ class RunPaged(TimwatchError, RuntimeError):
         super().__init__(f"run {run} is paged ({names}); stopped by the timwatch guard")
         self.run, self.alerts, self.since = run, alerts, since
 
+    def __reduce__(self) -> tuple[type[RunPaged], tuple[str, tuple[str, ...], float | None]]:
+        """Pickled with its three fields (the default pickles only the message, and unpickling
+        then fails): a Ray worker's RunPaged reaches the driver as one (verl, OpenRLHF, SkyRL)."""
+        return RunPaged, (self.run, self.alerts, self.since)
+
 
 class ApiError(TimwatchError):
     """An error the service answers as ``{"detail": ...}`` with a status (and a rejection reason

@@ -6,6 +6,7 @@ tests/stack/test_guard_alertmanager.py."""
 from __future__ import annotations
 
 import json
+import pickle
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,20 @@ def test_raise_runs_once_per_page_and_again_after_it_clears() -> None:
     with pytest.raises(RunPaged):
         g.check(5)
     assert g.pages == 2 and g.errors == 0
+
+
+def test_run_paged_survives_pickling() -> None:
+    """Ray pickles a worker's exception for the driver (verl, OpenRLHF, SkyRL): unpickled, it is
+    the same `RunPaged` (before, it pickled its message only and did not unpickle, so Ray handed
+    the driver an `UnserializableException`)."""
+    err = RunPaged("grpo-7b", ("TimwatchMismatchKLRising",), 1700000000.5)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is RunPaged and str(back) == str(err)
+    assert (back.run, back.alerts, back.since) == (
+        "grpo-7b",
+        ("TimwatchMismatchKLRising",),
+        1700000000.5,
+    )
 
 
 def test_without_an_action_the_page_is_only_recorded() -> None:
