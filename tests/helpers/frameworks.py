@@ -5,10 +5,13 @@ share."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tests.helpers.pages import page
 from timwatch.monitor.core.errors import RunPaged
+
+if TYPE_CHECKING:
+    import pytest
 
 __all__ = ["RaisingTap", "RecordingTap", "stopped_by_page"]
 
@@ -61,3 +64,10 @@ def stopped_by_page(
         if i == paged_after:
             assert page(url, run, token) == [run]
     raise AssertionError(f"no RunPaged out of {steps} steps: the page never stopped the run")
+
+
+def guarded_env(monkeypatch: pytest.MonkeyPatch, url: str, run: str, token: str) -> None:
+    """The environment a plug-in builds its tap from (`tap_from_env`), with the guard on:
+    ``TIMWATCH_URL``, ``TIMWATCH_RUN``, ``TIMWATCH_TOKEN`` and ``TIMWATCH_ON_PAGE=raise``."""
+    for name, value in (("URL", url), ("RUN", run), ("TOKEN", token), ("ON_PAGE", "raise")):
+        monkeypatch.setenv(f"TIMWATCH_{name}", value)

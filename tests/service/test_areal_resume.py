@@ -30,7 +30,7 @@ else:
 
 from tests.helpers import areal_tiny as at
 from tests.helpers import logs
-from tests.helpers.frameworks import stopped_by_page
+from tests.helpers.frameworks import guarded_env, stopped_by_page
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.reference import reference
 from tests.helpers.verl_tiny import TinyModel
@@ -111,9 +111,7 @@ def test_a_paged_run_stops_at_the_step_after_its_page(
     step after the page, with that step's batch kept."""
     run = fresh_run("areal-guard")
     assert plugin.install()
-    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
-        monkeypatch.setenv(f"TIMWATCH_{name}", value)
-    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    guarded_env(monkeypatch, shared_server.url, run, SHARED_TOKEN)
     monkeypatch.setattr(plugin, "_COLLECTOR", None)  # a new process
     model = TinyModel(0)
     engine = at.TinyEngine(model)

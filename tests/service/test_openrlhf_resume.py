@@ -29,7 +29,7 @@ else:
     pytest.importorskip("openrlhf")
 
 from tests.helpers import openrlhf_tiny as ot
-from tests.helpers.frameworks import stopped_by_page  # noqa: E402
+from tests.helpers.frameworks import guarded_env, stopped_by_page  # noqa: E402
 from tests.helpers.procs import SHARED_TOKEN, ServerProc  # noqa: E402
 from tests.helpers.reference import reference  # noqa: E402
 from tests.helpers.wire import fresh_run  # noqa: E402
@@ -126,9 +126,7 @@ def test_a_paged_run_stops_at_the_update_after_its_page(
     run = fresh_run("openrlhf-guard")
     assert plugin.install()
     ot.cpu_patches(monkeypatch)
-    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
-        monkeypatch.setenv(f"TIMWATCH_{name}", value)
-    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    guarded_env(monkeypatch, shared_server.url, run, SHARED_TOKEN)
     monkeypatch.setattr(plugin, "_COLLECTOR", None)  # a new process
     model = ot.tiny_llama(0)
     trainer = ot.trainer(model, ot.args(ckpt_path=str(tmp_path)))

@@ -32,7 +32,7 @@ from tests.helpers import skyrl_tiny as st
 
 st.import_skyrl()
 
-from tests.helpers.frameworks import stopped_by_page  # noqa: E402
+from tests.helpers.frameworks import guarded_env, stopped_by_page  # noqa: E402
 from tests.helpers.procs import SHARED_TOKEN, ServerProc  # noqa: E402
 from tests.helpers.reference import reference  # noqa: E402
 from tests.helpers.wire import fresh_run  # noqa: E402
@@ -197,9 +197,7 @@ def test_a_paged_run_stops_at_the_step_after_its_page(
     run = fresh_run("skyrl-guard")
     assert plugin.register_with_skyrl()
     st.cpu_device_patches(monkeypatch)
-    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
-        monkeypatch.setenv(f"TIMWATCH_{name}", value)
-    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    guarded_env(monkeypatch, shared_server.url, run, SHARED_TOKEN)
     monkeypatch.setattr(plugin, "_TAP", None)  # a new process
     model = st.TinyPolicy(0)
     cfg = st.trainer_config()

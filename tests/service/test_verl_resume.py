@@ -30,7 +30,7 @@ else:
     pytest.importorskip("verl")
 
 from tests.helpers import verl_tiny as vt
-from tests.helpers.frameworks import stopped_by_page
+from tests.helpers.frameworks import guarded_env, stopped_by_page
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.reference import reference
 from tests.helpers.wire import fresh_run
@@ -145,9 +145,7 @@ def test_a_paged_run_stops_at_the_step_after_its_page(
     run = fresh_run("verl-guard")
     assert plugin.register_with_verl()
     vt.cpu_device_patches(monkeypatch)
-    for name, value in (("URL", shared_server.url), ("RUN", run), ("TOKEN", SHARED_TOKEN)):
-        monkeypatch.setenv(f"TIMWATCH_{name}", value)
-    monkeypatch.setenv("TIMWATCH_ON_PAGE", "raise")
+    guarded_env(monkeypatch, shared_server.url, run, SHARED_TOKEN)
     monkeypatch.setattr(verl_hooks, "_WORKER_BACKEND", None)  # a new process
     model = vt.TinyModel(0)
     group = vt.LocalActorGroup([vt.make_worker(vt.tiny_engine(model), vt.actor_config())])
