@@ -51,6 +51,29 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 PY="${PYTHON:-python3}"
+# the full suite's two other venvs, built in the background while .venv is installed and the
+# linters run (each is reused while its pin matches): vLLM's CPU build outside the clone for the
+# real-engine tier (~2 min and 3.4 GB when it is not cached, .ci/vllm-venv.sh), and schemathesis
+# in .venv-fuzz for tests/stack/test_openapi_fuzz.py (grafana-client's niquests pulls
+# urllib3-future, which replaces urllib3 where it is installed and breaks schemathesis's
+# requests transport)
+background=()
+if [ "$QUICK" = 0 ]; then
+  VLLM_OUT="$(mktemp /tmp/timwatch-vllm-venv.XXXXXX)"
+  bash .ci/vllm-venv.sh > "$VLLM_OUT" &
+  background+=($!)
+  SCHEMATHESIS_PIN="schemathesis==4.32.5"
+  if [ ! -x .venv-fuzz/bin/st ] || ! grep -qx "$SCHEMATHESIS_PIN" .venv-fuzz/pinned 2>/dev/null
+  then
+    (
+      rm -rf .venv-fuzz && "$PY" -m venv .venv-fuzz
+      .venv-fuzz/bin/python -m pip install -q "$SCHEMATHESIS_PIN"
+      echo "$SCHEMATHESIS_PIN" > .venv-fuzz/pinned
+    ) &
+    background+=($!)
+  fi
+  export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # the installs below are skipped while what they read is unchanged (pyproject.toml, setup.py,
 # the C reader's sources, the pinned trainer packages, this script): ~7 s of the inner loop
@@ -59,18 +82,12 @@ stamp="$(cat pyproject.toml setup.py tests/requirements-*.txt "$0" \
 if [ "$(cat .venv/installed.sha256 2>/dev/null)" != "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'
-  # real verl for the trainer plug-in's tests, without its own requirements (they would replace
-  # torch==2.13.0): only what its imports need, pinned (tests/requirements-verl.txt)
-  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt
-  # real TRL for its plug-in's tests, the same way: trl only, on the pins above
-  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-trl.txt
-  # real AReaL for its plug-in's tests, the same way: only what importing its PPO actor needs
-  # (tests/requirements-areal.txt)
-  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-areal.txt
-  # and real OpenRLHF (tests/requirements-openrlhf.txt)
-  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-openrlhf.txt
-  # real skyrl the same way, for its plug-in's tests (tests/requirements-skyrl.txt)
-  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-skyrl.txt
+  # the real trainer packages for their plug-ins' tests, without their own requirements (they
+  # would replace torch==2.13.0): each with only what its imports need, pinned, in one call
+  # (verl, TRL, AReaL's PPO actor, OpenRLHF, skyrl: tests/requirements-*.txt)
+  .venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt \
+    -r tests/requirements-trl.txt -r tests/requirements-areal.txt \
+    -r tests/requirements-openrlhf.txt -r tests/requirements-skyrl.txt
   echo "$stamp" > .venv/installed.sha256
 fi
 # numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
@@ -84,27 +101,7 @@ export TIMWATCH_KERNEL_IR
 trap 'rm -f "$TIMWATCH_KERNEL_IR"' EXIT
 .venv/bin/python -m tests.helpers.kernel_ir --warm-up "$TIMWATCH_KERNEL_IR" &
 warming=$!
-if [ "$QUICK" = 0 ]; then
-  # schemathesis in its own cached venv (tests/stack/test_openapi_fuzz.py): grafana-client's
-  # niquests pulls urllib3-future, which replaces urllib3 where it is installed and breaks
-  # schemathesis's requests transport
-  SCHEMATHESIS_PIN="schemathesis==4.32.5"
-  if [ ! -x .venv-fuzz/bin/st ] || ! grep -qx "$SCHEMATHESIS_PIN" .venv-fuzz/pinned 2>/dev/null
-  then
-    rm -rf .venv-fuzz && "$PY" -m venv .venv-fuzz
-    .venv-fuzz/bin/python -m pip install -q "$SCHEMATHESIS_PIN"
-    echo "$SCHEMATHESIS_PIN" > .venv-fuzz/pinned
-  fi
-  export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
-fi
 phase "packages and .venv installed"
-if [ "$QUICK" = 0 ]; then
-  # the real-engine tier's vLLM (CPU build) in its own venv outside the clone, reused while its
-  # pin file matches (~2 min and 3.4 GB when it is not cached)
-  TIMWATCH_VLLM_PYTHON="$(bash .ci/vllm-venv.sh | tail -n1)"
-  export TIMWATCH_VLLM_PYTHON TIMWATCH_REQUIRE_VLLM=1
-fi
-
 if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
   # a fresh cluster in a new directory for this run, stopped and removed when the script exits
   PGDIR="$(mktemp -d /tmp/timwatch-pg-tests.XXXXXX)"
@@ -127,6 +124,13 @@ export TIMWATCH_NATIVE=1
 phase "linters done"
 wait "$warming"
 phase "kernels compiled"
+if [ "$QUICK" = 0 ]; then
+  for pid in "${background[@]}"; do wait "$pid"; done
+  TIMWATCH_VLLM_PYTHON="$(tail -n1 "$VLLM_OUT")"
+  rm -f "$VLLM_OUT"
+  export TIMWATCH_VLLM_PYTHON TIMWATCH_REQUIRE_VLLM=1
+  phase "vLLM and schemathesis venvs ready"
+fi
 if [ "$QUICK" = 1 ]; then
   # three workers: the quick tier's service tests mostly wait on their servers (175 s against
   # 189 s with two, same checkout, idle machine)
