@@ -21,11 +21,26 @@ from tests.helpers.vllm import Engines, build_tiny_model, require_vllm_python
 HERE = Path(__file__).resolve().parent
 
 
+# The tier's modules in the order that starts the fewest servers: the engine tests' bf16 server
+# (stopped after its reloads), then one fp32 server for the engine's history test, the proxy
+# tests and TRL's fp32 run (which plans fp32 first), then one bf16 server for TRL's bf16 and
+# ESTR runs; the demo last, which starts its own. Alphabetical order needs one start more.
+ORDER = ("test_vllm_engine.py", "test_vllm_proxy.py", "test_trl_vllm.py", "test_vllm_demo.py")
+
+
+def _rank(item: pytest.Item) -> int:
+    name = Path(str(item.fspath)).name
+    return ORDER.index(name) if name in ORDER else len(ORDER)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if HERE in Path(str(item.fspath)).resolve().parents:
-            item.add_marker(pytest.mark.vllm)
-            item.add_marker(pytest.mark.slow)
+    slots = [i for i, item in enumerate(items) if HERE in Path(str(item.fspath)).resolve().parents]
+    for i in slots:
+        items[i].add_marker(pytest.mark.vllm)
+        items[i].add_marker(pytest.mark.slow)
+    # reordered among their own positions (stable: a module's tests keep their order)
+    for i, item in zip(slots, sorted((items[i] for i in slots), key=_rank), strict=True):
+        items[i] = item
 
 
 @pytest.fixture(scope="session")

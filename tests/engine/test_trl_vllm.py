@@ -76,10 +76,10 @@ def runs(
 ) -> Iterator[dict[str, Run]]:  # fmt: skip
     srv = _shared_server_session
     out: dict[str, Run] = {}
-    plan = (
+    plan = (  # fp32 first: the server the proxy tests (run before this module) left running
+        ("float32", FP32_EXTRA, STEPS, None),
         ("bfloat16", ("--enable-scale-out",), STEPS, None),
         ("estr", ("--enable-scale-out",), ESTR_STEPS, ESTR_TAU),  # the same bf16 server
-        ("float32", FP32_EXTRA, STEPS, None),
     )
     for name, extra, steps, tau in plan:
         engine = engines.get("float32" if name == "float32" else "bfloat16", extra)
