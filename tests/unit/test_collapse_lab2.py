@@ -22,7 +22,7 @@ from benchmarks.collapse_lab.v2.engines import Engine, int4_group_round, process
 from benchmarks.collapse_lab.v2.grpo import V2Trainer
 from benchmarks.collapse_lab.v2.model import LM, ModelConfig
 from benchmarks.collapse_lab.v2.pretrain import PretrainConfig
-from benchmarks.collapse_lab.v2.reward import class_fraction, reward
+from benchmarks.collapse_lab.v2.reward import class_fraction, pattern_reward, reward
 
 TINY = PretrainConfig(model=ModelConfig(d=32, layers=1, heads=2), steps=3, batch=4, seq_len=24)
 
@@ -77,6 +77,45 @@ def test_reward_hand_computed() -> None:
 def test_reward_is_in_unit_interval(row: list[int]) -> None:
     r = reward(torch.tensor([row])).item()
     assert 0.0 <= r <= 1.0
+
+
+def test_pattern_reward_hand_computed() -> None:
+    # 32 positions, period 4: class ids (≡ 0 mod 8) at 0, 4, ..., 28 and none elsewhere, 32
+    # distinct ids -> 1
+    row = [8 * (i + 1) if i % 4 == 0 else 8 * i + 1 for i in range(32)]
+    assert pattern_reward(torch.tensor([row])).item() == pytest.approx(1.0)
+    # class ids at 4 of the 8 wanted positions and at 6 of the 24 others: 1/2 - 1/4
+    cls = {0, 4, 8, 12, 1, 2, 3, 5, 6, 7}
+    row = [8 * (i + 1) if i in cls else 8 * i + 1 for i in range(32)]
+    assert pattern_reward(torch.tensor([row])).item() == pytest.approx(0.25)
+    # the pattern shifted by one: hit 0, miss 8/24 -> clipped to 0; every id in the class: 0
+    row = [8 * (i + 1) if i % 4 == 1 else 8 * i + 1 for i in range(32)]
+    assert pattern_reward(torch.tensor([row])).item() == 0.0
+    assert pattern_reward(torch.tensor([[8 * i for i in range(32)]])).item() == 0.0
+    # the pattern held with 8 distinct ids: factor 8/24
+    row = [8 if i % 4 == 0 else 8 * (i % 7) + 1 for i in range(32)]
+    assert len(set(row)) == 8
+    assert pattern_reward(torch.tensor([row])).item() == pytest.approx(8 / 24)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2047), min_size=1, max_size=64))
+def test_pattern_reward_is_in_unit_interval(row: list[int]) -> None:
+    r = pattern_reward(torch.tensor([row])).item()
+    assert 0.0 <= r <= 1.0
+
+
+def test_pattern_reward_is_near_zero_for_position_free_ids() -> None:
+    # ids drawn independently of their position: hit - miss has mean 0 (float64 reference),
+    # so the clipped reward stays small
+    tokens = torch.randint(0, 2048, (4000, 64), generator=torch.Generator().manual_seed(0))
+    cls = (tokens % 8 == 0).double()
+    want = torch.arange(64) % 4 == 0
+    diff = cls[:, want].mean(1) - cls[:, ~want].mean(1)
+    assert abs(diff.mean().item()) < 0.005
+    r = pattern_reward(tokens)
+    assert torch.allclose(r.double(), diff.clamp(min=0), atol=1e-6)  # 64 distinct ids or so
+    assert r.mean().item() < 0.06
 
 
 def test_int4_groups_have_at_most_15_levels() -> None:

@@ -26,6 +26,7 @@ from benchmarks.collapse_lab.replay import RULES, first_firings
 from benchmarks.collapse_lab.serve import LabServer, snapshot
 
 from .configs import CONFIGS, V2Config, collapse_onset
+from .reward import REWARDS
 
 #: the pre-registered candidate rules (PROTOCOL.md), replayed together with the shipped ones
 CANDIDATE = Path(__file__).with_name("candidate.rules.yml")
@@ -133,6 +134,7 @@ def main(
     out: Annotated[Path, typer.Option(help="output folder")] = Path("collapse-lab2-runs"),
     steps: Annotated[int, typer.Option(help="override the steps per run (0: config's)")] = 0,
     lr: Annotated[float, typer.Option(help="override the learning rate (0: config's)")] = 0.0,
+    reward: Annotated[str, typer.Option(help="override the reward (class, pattern)")] = "",
     screen: Annotated[bool, typer.Option(help="trainer only: no server, no replay")] = False,
     rules: Annotated[Path, typer.Option(help="rules file replayed with the candidate's")] = RULES,
 ) -> None:
@@ -141,6 +143,8 @@ def main(
     bad = [n for n in names if n not in CONFIGS]
     if bad:
         raise typer.BadParameter(f"unknown config {', '.join(bad)}; known: {', '.join(CONFIGS)}")
+    if reward and reward not in REWARDS:
+        raise typer.BadParameter(f"unknown reward {reward}; known: {', '.join(REWARDS)}")
     seed_list = [int(s) for s in seeds.split(",")]
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -149,6 +153,7 @@ def main(
         for name in names:
             cfg = CONFIGS[name] if steps <= 0 else replace(CONFIGS[name], steps=steps)
             cfg = cfg if lr <= 0 else replace(cfg, lr=lr)
+            cfg = cfg if not reward else replace(cfg, reward=reward)
             for seed in seed_list:
                 r = run_one(cfg, seed, server, out, (rules, CANDIDATE))
                 fired = ", ".join(f"{f['alert']}@{f['step']}" for f in r["firings"])

@@ -26,7 +26,8 @@ class V2Config:
     mismatch and staleness) or ``behaviour`` (π_old under the rollout's weights, verl's
     recompute: ρ carries the staleness, the corrections the engine mismatch alone).
     ``correction`` on π_old/μ: none, tis (weight min(r, 2)), icepop (drop r outside [0.5, 5]),
-    estr (drop δ² > τ(H + 0.01)), all from `timwatch.monitor.core.masks`."""
+    estr (drop δ² > τ(H + 0.01)), all from `timwatch.monitor.core.masks`. ``reward``: a
+    `reward.REWARDS` name (``class``: the protocol's)."""
 
     name: str
     engine: str = "bf16"
@@ -44,6 +45,7 @@ class V2Config:
     updates: int = 2
     grad_clip: float = 1.0
     proximal: str = "current"
+    reward: str = "class"
 
 
 def _family(source: str, base: V2Config) -> dict[str, V2Config]:

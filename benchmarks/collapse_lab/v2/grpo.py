@@ -34,7 +34,7 @@ from .corpus import Corpus
 from .engines import Engine
 from .model import LM
 from .pretrain import PretrainConfig, load_pretrained
-from .reward import reward as score
+from .reward import REWARDS
 
 __all__ = ["Health", "V2Trainer"]
 
@@ -90,7 +90,7 @@ class V2Trainer:
         prompt = prompts.repeat_interleave(cfg.group, dim=0)
         tokens, mu = self.engine.generate(prompt, cfg.response, self.gen)
         full = torch.cat([prompt, tokens], dim=1)
-        rew = score(tokens)
+        rew = REWARDS[cfg.reward](tokens)
         grouped = rew.view(cfg.prompts, cfg.group)
         adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
         adv = adv.reshape(-1, 1).expand_as(mu)
