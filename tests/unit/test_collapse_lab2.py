@@ -7,6 +7,7 @@ keeps this in seconds."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +73,13 @@ def test_reward_hand_computed() -> None:
     assert reward(torch.tensor([row])).item() == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("score", [reward, pattern_reward])
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 2047), min_size=1, max_size=64))
-def test_reward_is_in_unit_interval(row: list[int]) -> None:
-    r = reward(torch.tensor([row])).item()
+@given(row=st.lists(st.integers(0, 2047), min_size=1, max_size=64))
+def test_rewards_are_in_unit_interval(
+    score: Callable[[torch.Tensor], torch.Tensor], row: list[int]
+) -> None:
+    r = score(torch.tensor([row])).item()
     assert 0.0 <= r <= 1.0
 
 
@@ -96,13 +100,6 @@ def test_pattern_reward_hand_computed() -> None:
     row = [8 if i % 4 == 0 else 8 * (i % 7) + 1 for i in range(32)]
     assert len(set(row)) == 8
     assert pattern_reward(torch.tensor([row])).item() == pytest.approx(8 / 24)
-
-
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 2047), min_size=1, max_size=64))
-def test_pattern_reward_is_in_unit_interval(row: list[int]) -> None:
-    r = pattern_reward(torch.tensor([row])).item()
-    assert 0.0 <= r <= 1.0
 
 
 def test_pattern_reward_is_near_zero_for_position_free_ids() -> None:

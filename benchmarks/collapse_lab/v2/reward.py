@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "MIN_DISTINCT", "MODULUS", "PERIOD", "REWARDS", "TARGET", "class_fraction", "pattern_reward",
-    "reward",
+    "MIN_DISTINCT", "MODULUS", "PERIOD", "REWARDS", "TARGET", "class_fraction", "distinct_factor",
+    "pattern_reward", "reward",
 ]  # fmt: skip
 
 MODULUS = 8
@@ -30,6 +30,12 @@ def class_fraction(tokens: torch.Tensor, modulus: int = MODULUS) -> torch.Tensor
     return (tokens % modulus == 0).float().mean(1)
 
 
+def distinct_factor(tokens: torch.Tensor, min_distinct: int = MIN_DISTINCT) -> torch.Tensor:
+    """``min(1, d / min_distinct)`` per row, d its number of distinct ids, ``[batch]``."""
+    distinct = torch.tensor([float(len(set(r.tolist()))) for r in tokens])
+    return (distinct / min_distinct).clamp(max=1.0)
+
+
 def reward(
     tokens: torch.Tensor,
     target: float = TARGET,
@@ -39,8 +45,7 @@ def reward(
     """The graded reward of each response row of ``tokens`` ``[batch, len]``."""
     f = class_fraction(tokens, modulus)
     close = (1.0 - (f - target).abs() / target).clamp(0.0, 1.0)
-    distinct = torch.tensor([float(len(set(r.tolist()))) for r in tokens])
-    return close * (distinct / min_distinct).clamp(max=1.0)
+    return close * distinct_factor(tokens, min_distinct)
 
 
 def pattern_reward(
@@ -62,8 +67,7 @@ def pattern_reward(
     cls = (tokens % modulus == 0).float()
     hit = cls[:, want].mean(1)
     miss = cls[:, ~want].mean(1) if (~want).any() else torch.zeros(tokens.shape[0])
-    distinct = torch.tensor([float(len(set(r.tolist()))) for r in tokens])
-    return (hit - miss).clamp(min=0.0) * (distinct / min_distinct).clamp(max=1.0)
+    return (hit - miss).clamp(min=0.0) * distinct_factor(tokens, min_distinct)
 
 
 REWARDS = {"class": reward, "pattern": pattern_reward}
