@@ -3,7 +3,8 @@
 Each run: a `LabTrainer` reporting every step through the `Tap` to one real `timwatch serve`
 subprocess (shared by the runs of one invocation, a fresh SQLite history under ``--out``), the
 run's exported series read back from /metrics after each step, then replayed through the shipped
-rules by promtool. Writes ``DIR/CONFIG-sSEED/{steps.jsonl,series.jsonl,result.json}``;
+rules by promtool; the trainer's reward, gradient norm and entropy go to the same run as
+scalars (`Tap.log`). Writes ``DIR/CONFIG-sSEED/{steps.jsonl,series.jsonl,result.json}``;
 ``python -m benchmarks.collapse_lab.report DIR`` makes the table and plots.
 """
 
@@ -15,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -24,6 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from benchmarks.collapse_lab.configs import CONFIGS, LabConfig, collapse_onset
 from benchmarks.collapse_lab.replay import RULES, first_firings
 from benchmarks.collapse_lab.serve import LabServer, snapshot
+
+if TYPE_CHECKING:
+    from benchmarks.collapse_lab.grpo import StepLog  # torch: imported by the runs only
 
 
 def lead_summary(onset: int | None, firings: list[dict[str, Any]]) -> dict[str, Any]:
@@ -35,6 +39,12 @@ def lead_summary(onset: int | None, firings: list[dict[str, Any]]) -> dict[str, 
         out[f"first_{sev}"] = first
         out[f"lead_{sev}"] = None if first is None or onset is None else onset - first
     return out
+
+
+def health_scalars(log: StepLog) -> dict[str, float]:
+    """The step's trainer health under timwatch's canonical scalar names (`Tap.log`): read by
+    no shipped rule, by the candidate rules (PROTOCOL-entropy.md)."""
+    return {"reward_mean": log.reward, "grad_norm": log.grad_norm, "entropy": log.entropy}
 
 
 def run_one(
@@ -63,6 +73,7 @@ def run_one(
         try:
             for step in range(cfg.steps):
                 log = trainer.step(step, tap)
+                tap.log(step, health_scalars(log))
                 if not tap.flush(60):
                     raise RuntimeError(f"{run}: the tap could not deliver step {step}")
                 logs.append(asdict(log))

@@ -1,0 +1,107 @@
+"""``python -m benchmarks.collapse_lab.entropy DIR… [--json OUT]``: PROTOCOL-entropy.md's table.
+
+Every lab v1 run under ``DIR/*/`` (``result.json``, ``steps.jsonl``, ``series.jsonl``) is
+replayed through the shipped rules together with lab v2's candidate file (its
+`TimwatchEntropyCollapseCandidate` reads the run's reward scalars), the replay cached in the run
+as ``entropy-replay.json``. A run is *converged* when it did not collapse and its last 20 steps'
+mean reward is at least `CONVERGED_REWARD`; `decide` applies the protocol's three conditions.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from benchmarks.collapse_lab.replay import RULES, first_firings
+
+CANDIDATE = Path(__file__).with_name("v2") / "candidate.rules.yml"
+SHIPPED_ALERT = "TimwatchEntropyCollapse"
+CANDIDATE_ALERT = "TimwatchEntropyCollapseCandidate"
+CONVERGED_REWARD = 0.5
+#: the candidate may fire at most this many steps after the shipped rule on a collapsed run
+MAX_DELAY = 10
+
+
+def _first(firings: list[dict[str, Any]], alert: str) -> int | None:
+    steps = [f["step"] for f in firings if f["alert"] == alert]
+    return min(steps) if steps else None
+
+
+def row(rundir: Path) -> dict[str, Any]:
+    """One run: its outcome and the first step of the shipped and of the candidate rule."""
+    result = json.loads((rundir / "result.json").read_text())
+    cache = rundir / "entropy-replay.json"
+    if cache.exists():
+        firings = json.loads(cache.read_text())
+    else:
+        series = [json.loads(line) for line in (rundir / "series.jsonl").open()]
+        firings = first_firings(series, rules=(RULES, CANDIDATE))
+        cache.write_text(json.dumps(firings))
+    rewards = [json.loads(line)["reward"] for line in (rundir / "steps.jsonl").open()]
+    last20 = statistics.fmean(rewards[-20:])
+    onset = result["collapse_step"]
+    return {
+        "config": result["config"], "seed": result["seed"], "collapse_step": onset,
+        "reward_last20": round(last20, 4),
+        "converged": onset is None and last20 >= CONVERGED_REWARD,
+        "shipped": _first(firings, SHIPPED_ALERT), "candidate": _first(firings, CANDIDATE_ALERT),
+    }  # fmt: skip
+
+
+def decide(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The protocol's three conditions on ``rows`` and whether the clause ships (all three)."""
+    converged = [r for r in rows if r["converged"]]
+    collapsed = [r for r in rows if r["collapse_step"] is not None]
+    shipped_conv = sum(r["shipped"] is not None for r in converged)
+    cand_conv = sum(r["candidate"] is not None for r in converged)
+    hit = [r for r in collapsed if r["shipped"] is not None]
+    kept = [
+        r for r in hit if r["candidate"] is not None and r["candidate"] - r["shipped"] <= MAX_DELAY
+    ]
+    conditions = {
+        "1 shipped fires on at least half of the converged runs": bool(converged)
+        and 2 * shipped_conv >= len(converged),
+        "2 candidate fires on no converged run": cand_conv == 0,
+        "3 at least 3 collapsed runs get the shipped rule, the candidate on each within 10 steps": (
+            len(hit) >= 3 and len(kept) == len(hit)
+        ),
+    }
+    return {
+        "runs": len(rows), "converged": len(converged), "collapsed": len(collapsed),
+        "shipped_on_converged": shipped_conv, "candidate_on_converged": cand_conv,
+        "collapsed_with_shipped": len(hit), "of_them_candidate_in_time": len(kept),
+        "conditions": conditions, "ship": all(conditions.values()),
+    }  # fmt: skip
+
+
+def _step(x: int | None) -> str:
+    return "–" if x is None else str(x)
+
+
+def main(
+    dirs: Annotated[list[Path], typer.Argument(help="lab v1 output folders (DIR/CONFIG-sSEED/)")],
+    json_out: Annotated[Path | None, typer.Option("--json", help="write rows and decision")] = None,
+) -> None:
+    """Print PROTOCOL-entropy.md's per-run table and its decision."""
+    rows = [row(p.parent) for d in dirs for p in sorted(d.glob("*/result.json"))]
+    rows.sort(key=lambda r: (r["config"], r["seed"]))
+    print("| run | collapse step | last-20 reward | converged | shipped fires | candidate fires |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['config']} s{r['seed']} | {_step(r['collapse_step'])} | "
+            f"{r['reward_last20']:.3g} | {'yes' if r['converged'] else 'no'} | "
+            f"{_step(r['shipped'])} | {_step(r['candidate'])} |"
+        )
+    decision = decide(rows)
+    print(json.dumps(decision, indent=1))
+    if json_out is not None:
+        json_out.write_text(json.dumps({"rows": rows, "decision": decision}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)
