@@ -38,6 +38,14 @@ def test_miniature_runs_tap_to_serve_to_promtool(tmp_path: Path) -> None:
     per_step = cfg.prompts * cfg.group * cfg.prompt_len
     kl_count = [s['timwatch_token_kl_count{run="mini-s3"}'] for s in series]
     assert kl_count == [per_step * (i + 1) for i in range(cfg.steps)]
+    # the trainer's scalars reached the service as the same run's, step for step
+    for name, key in (
+        ("reward_mean", "reward"),
+        ("grad_norm", "grad_norm"),
+        ("entropy", "entropy"),
+    ):
+        got = [s[f'timwatch_scalar_{name}{{run="mini-s3",source=""}}'] for s in series]
+        assert got == [s[key] for s in steps], name
     # the service stored every step in its history
     with sqlite3.connect(tmp_path / "history.db") as db:
         (n,) = db.execute("SELECT count(*) FROM steps").fetchone()
