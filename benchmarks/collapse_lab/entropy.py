@@ -3,12 +3,14 @@
 Every lab v1 run under ``DIR/*/`` (``result.json``, ``steps.jsonl``, ``series.jsonl``) is
 replayed through the shipped rules together with lab v2's candidate file (its
 `TimwatchEntropyCollapseCandidate` reads the run's reward scalars), the replay cached in the run
-as ``entropy-replay.json``. A run is *converged* when it did not collapse and its last 20 steps'
-mean reward is at least `CONVERGED_REWARD`; `decide` applies the protocol's three conditions.
+as ``entropy-replay.json`` under a hash of both rules files (an edited rule replays again). A
+run is *converged* when it did not collapse and its last 20 steps' mean reward is at least
+`CONVERGED_REWARD`; `decide` applies the protocol's three conditions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -35,12 +37,14 @@ def row(rundir: Path) -> dict[str, Any]:
     """One run: its outcome and the first step of the shipped and of the candidate rule."""
     result = json.loads((rundir / "result.json").read_text())
     cache = rundir / "entropy-replay.json"
-    if cache.exists():
-        firings = json.loads(cache.read_text())
+    key = hashlib.sha256(RULES.read_bytes() + CANDIDATE.read_bytes()).hexdigest()[:16]
+    cached = json.loads(cache.read_text()) if cache.exists() else {}
+    if cached.get("rules") == key:
+        firings = cached["firings"]
     else:
         series = [json.loads(line) for line in (rundir / "series.jsonl").open()]
         firings = first_firings(series, rules=(RULES, CANDIDATE))
-        cache.write_text(json.dumps(firings))
+        cache.write_text(json.dumps({"rules": key, "firings": firings}))
     rewards = [json.loads(line)["reward"] for line in (rundir / "steps.jsonl").open()]
     last20 = statistics.fmean(rewards[-20:])
     onset = result["collapse_step"]
