@@ -2,15 +2,14 @@
 
 Every lab v1 run under ``DIR/*/`` (``result.json``, ``steps.jsonl``, ``series.jsonl``) is
 replayed through the shipped rules together with lab v2's candidate file (its
-`TimwatchEntropyCollapseCandidate` reads the run's reward scalars), the replay cached in the run
-as ``entropy-replay.json`` under a hash of both rules files (an edited rule replays again). A
-run is *converged* when it did not collapse and its last 20 steps' mean reward is at least
-`CONVERGED_REWARD`; `decide` applies the protocol's three conditions.
+`TimwatchEntropyCollapseCandidate` reads the run's reward scalars; `replay.cached_firings`, so an
+edited rule replays again). A run is *converged* when it did not collapse and its last 20
+steps' mean reward is at least `CONVERGED_REWARD`; `decide` applies the protocol's three
+conditions.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 from pathlib import Path
@@ -18,9 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
-from benchmarks.collapse_lab.replay import RULES, first_firings
+from benchmarks.collapse_lab.replay import CANDIDATE, RULES, cached_firings
 
-CANDIDATE = Path(__file__).with_name("v2") / "candidate.rules.yml"
 SHIPPED_ALERT = "TimwatchEntropyCollapse"
 CANDIDATE_ALERT = "TimwatchEntropyCollapseCandidate"
 CONVERGED_REWARD = 0.5
@@ -36,15 +34,7 @@ def _first(firings: list[dict[str, Any]], alert: str) -> int | None:
 def row(rundir: Path) -> dict[str, Any]:
     """One run: its outcome and the first step of the shipped and of the candidate rule."""
     result = json.loads((rundir / "result.json").read_text())
-    cache = rundir / "entropy-replay.json"
-    key = hashlib.sha256(RULES.read_bytes() + CANDIDATE.read_bytes()).hexdigest()[:16]
-    cached = json.loads(cache.read_text()) if cache.exists() else {}
-    if cached.get("rules") == key:
-        firings = cached["firings"]
-    else:
-        series = [json.loads(line) for line in (rundir / "series.jsonl").open()]
-        firings = first_firings(series, rules=(RULES, CANDIDATE))
-        cache.write_text(json.dumps({"rules": key, "firings": firings}))
+    firings = cached_firings(rundir, (RULES, CANDIDATE))
     rewards = [json.loads(line)["reward"] for line in (rundir / "steps.jsonl").open()]
     last20 = statistics.fmean(rewards[-20:])
     onset = result["collapse_step"]

@@ -10,6 +10,8 @@ prints what it got. Each firing is reported as the step it corresponds to.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -20,10 +22,15 @@ from typing import Any
 
 import yaml
 
-__all__ = ["MINUTES_PER_STEP", "RULES", "first_firings", "firings_under"]
+__all__ = [
+    "CANDIDATE", "MINUTES_PER_STEP", "RULES", "cached_firings", "first_firings", "firings_under",
+]  # fmt: skip
 
 MINUTES_PER_STEP = 1
 RULES = Path(__file__).resolve().parents[2] / "alerts" / "timwatch.rules.yml"
+#: lab v2's pre-registered candidate rules, replayed together with `RULES` (whose recording rules
+#: they read)
+CANDIDATE = Path(__file__).resolve().parent / "v2" / "candidate.rules.yml"
 _SAMPLE = re.compile(r"\{([^}]*)\}\s+([-+0-9.eE]+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -89,6 +96,22 @@ def first_firings(
             }
         )
     return sorted(firings, key=lambda f: (f["step"], f["alert"]))
+
+
+def cached_firings(rundir: Path, rules: Sequence[Path]) -> list[dict[str, Any]]:
+    """`first_firings` of the run in ``rundir`` (its ``series.jsonl``) under ``rules`` evaluated
+    together, cached in ``rundir/replay.json`` under a hash of the rules files' bytes: an edited
+    rule replays again, an unchanged one reads the cache."""
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in rules)).hexdigest()[:16]
+    cache = rundir / "replay.json"
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("rules") == key:
+            return list(cached["firings"])
+    series = [json.loads(x) for x in (rundir / "series.jsonl").open()]
+    firings = first_firings(series, rules=rules)
+    cache.write_text(json.dumps({"rules": key, "firings": firings}))
+    return firings
 
 
 def firings_under(series: list[dict[str, float]], rules: dict[str, Any]) -> list[dict[str, Any]]:

@@ -22,14 +22,11 @@ from typing import Annotated, Any
 
 import typer
 
-from benchmarks.collapse_lab.replay import RULES, first_firings
+from benchmarks.collapse_lab.replay import CANDIDATE, RULES, first_firings
 from benchmarks.collapse_lab.serve import LabServer, snapshot
 
 from .configs import CONFIGS, V2Config, collapse_onset
 from .reward import REWARDS
-
-#: the pre-registered candidate rules (PROTOCOL.md), replayed together with the shipped ones
-CANDIDATE = Path(__file__).with_name("candidate.rules.yml")
 
 
 class _NoTap:

@@ -13,7 +13,6 @@ combination closest to its defaults) and only then read on the held-out seeds.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -26,9 +25,8 @@ from typing import Annotated, Any
 
 import typer
 
-from benchmarks.collapse_lab.replay import RULES, first_firings
+from benchmarks.collapse_lab.replay import CANDIDATE, RULES, cached_firings
 
-from .__main__ import CANDIDATE
 from .rlwatch_replay import GRID
 
 __all__ = ["TUNING", "detectors", "in_time", "load", "summarise", "wilson"]
@@ -56,19 +54,6 @@ def in_time(step: int | None, onset: int, steps: int) -> bool:
     return step is not None and step <= onset - math.ceil(0.1 * steps)
 
 
-def _replay(rundir: Path) -> list[dict[str, Any]]:
-    key = hashlib.sha256(RULES.read_bytes() + CANDIDATE.read_bytes()).hexdigest()[:16]
-    cache = rundir / "replay.json"
-    if cache.exists():
-        cached = json.loads(cache.read_text())
-        if cached.get("rules") == key:
-            return list(cached["firings"])
-    series = [json.loads(x) for x in (rundir / "series.jsonl").open()]
-    firings = first_firings(series, rules=(RULES, CANDIDATE))
-    cache.write_text(json.dumps({"rules": key, "firings": firings}))
-    return firings
-
-
 def _rlwatch(rundir: Path) -> dict[str, Any]:
     path = rundir / "rlwatch.json"
     if not path.exists():
@@ -88,7 +73,7 @@ def load(dirs: list[Path]) -> list[dict[str, Any]]:
             r = json.loads(res.read_text())
             if not r.get("replayed"):
                 continue
-            r["firings"] = _replay(res.parent)
+            r["firings"] = cached_firings(res.parent, (RULES, CANDIDATE))
             r["rlwatch"] = _rlwatch(res.parent)
             r["log"] = [json.loads(x) for x in (res.parent / "steps.jsonl").open()]
             r["dir"] = str(res.parent)
