@@ -20,7 +20,6 @@ log-probs of a set S of tokens that contains the true top-k of the next-token di
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,8 +33,6 @@ __all__ = [
     "RolloutRecord",
     "HeldRecord",
     "topk_entropy_bounds",
-    "topk_entropy_bounds_rows",
-    "EntropyBounds",
     "version_as_int",
     "version_runs",
     "runs_from_versions",
@@ -44,84 +41,36 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class EntropyBounds:
-    """Bounds (nats) on one position's entropy computed from a top-k slice."""
-
-    lower: float  # H_S + m·(-log t): a sound lower bound on H
-    head: float  # H_S = -Σ_{i∈S} p_i log p_i
-    tail_mass: float  # m = 1 - Σ_{i∈S} p_i, clamped to [0, 1]
-    tail: float | None  # m·log((V-|S|)/m): upper bound on the tail's entropy; None without V
-
-    @property
-    def upper(self) -> float | None:
-        """A sound upper bound on H: ``H_S + tail``."""
-        return None if self.tail is None else self.head + self.tail
-
-
 def topk_entropy_bounds(
-    logprobs: Sequence[float | None],
-    *,
-    k: int | None = None,
-    vocab_size: int | None = None,
-) -> EntropyBounds:
-    """Entropy bounds from the log-probs of a token set S that contains the true top-k.
-
-    ``k`` is how many of S are guaranteed to be the true top-k (default: all of S, which is
-    what SGLang's ``output_top_logprobs`` is); a list that may carry the sampled token in one
-    slot beside the top-k (vLLM's ``top_logprobs``) needs ``k = len(S) - 1``. ``None`` entries
-    (``-inf`` serialised by the engine) count as probability 0.
-    """
-    probs = sorted(
-        (math.exp(lp) for lp in logprobs if lp is not None and lp != -math.inf),
-        reverse=True,
-    )
-    head = 0.0
-    for p in probs:
-        if p > 0.0:
-            head -= p * math.log(p)
-    mass = min(max(1.0 - math.fsum(probs), 0.0), 1.0)
-    kk = len(probs) if k is None else min(k, len(probs))
-    lower = head
-    if mass > 0.0 and kk > 0:
-        threshold = probs[kk - 1]
-        if threshold > 0.0:
-            lower += mass * -math.log(min(threshold, 1.0))
-    tail: float | None = None
-    if vocab_size is not None:
-        rest = vocab_size - len(logprobs)
-        if rest <= 0 or mass <= 0.0:
-            tail = 0.0
-        else:
-            tail = max(mass * math.log(rest / mass), 0.0)
-    return EntropyBounds(lower=lower, head=head, tail_mass=mass, tail=tail)
-
-
-def topk_entropy_bounds_rows(
-    logprobs: np.ndarray, *, vocab_size: int | None = None
+    rows: np.ndarray | Sequence[Sequence[float | None]], *, vocab_size: int | None = None
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """`topk_entropy_bounds` for every row of an ``(n, k)`` array at once: ``(lower, tail)``.
+    """``(entropy_lower, entropy_tail)`` per position from each position's top-k log-probs.
 
-    Same bounds, summed by numpy instead of ``math.fsum`` (equal up to rounding); ``-inf``
-    entries count as probability 0, as there."""
+    ``rows`` is an ``(n, k)`` array or n lists (ragged, ``None`` or ``-inf`` entries for
+    probability 0, as an engine serialises ``-inf``); the tail is None without ``vocab_size``.
+    A row of length ``|S|`` leaves ``V - |S|`` tokens to the tail."""
+    if isinstance(rows, np.ndarray):
+        logprobs, width = rows.astype(np.float64, copy=False), np.full(len(rows), rows.shape[1])
+    else:
+        width = np.array([len(row) for row in rows], dtype=np.int64)
+        logprobs = np.full((len(rows), int(width.max(initial=0))), -np.inf)
+        for i, row in enumerate(rows):
+            logprobs[i, : len(row)] = [-np.inf if lp is None else lp for lp in row]
     p = np.exp(logprobs)
     live = p > 0.0
-    logs = np.where(live, logprobs, 0.0)
-    head = -(p * logs).sum(axis=1)
+    head = -(p * np.where(live, logprobs, 0.0)).sum(axis=1)
     mass = np.clip(1.0 - p.sum(axis=1), 0.0, 1.0)
-    threshold = np.where(live, p, np.inf).min(axis=1)
+    threshold = np.where(live, p, np.inf).min(axis=1)  # t: the k-th largest probability
     add = (mass > 0.0) & np.isfinite(threshold) & (threshold > 0.0)
     with np.errstate(divide="ignore"):
         gap = -np.log(np.minimum(threshold, 1.0))
     lower = np.where(add, head + mass * np.where(add, gap, 0.0), head)
     if vocab_size is None:
         return lower, None
-    rest = vocab_size - logprobs.shape[1]
-    if rest <= 0:
-        return lower, np.zeros_like(lower)
-    safe = np.where(mass > 0.0, mass, 1.0)
-    tail = np.where(mass > 0.0, np.maximum(mass * np.log(rest / safe), 0.0), 0.0)
-    return lower, tail
+    rest = vocab_size - width  # tokens outside S: the tail's mass spread evenly over them
+    spread = (mass > 0.0) & (rest > 0)
+    per = np.maximum(rest, 1) / np.where(spread, mass, 1.0)
+    return lower, np.where(spread, np.maximum(mass * np.log(per), 0.0), 0.0)
 
 
 def weight_spans(spans: Any) -> list[tuple[int, int, str | None]]:

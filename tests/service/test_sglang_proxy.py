@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -334,39 +335,42 @@ def test_plan_leaves_complete_requests_alone() -> None:
 
 
 def test_entropy_bounds_hand_computed() -> None:
-    # p = (0.5, 0.25) over a vocabulary of 4; rest mass 0.25 over 2 tokens.
-    b = topk_entropy_bounds([math.log(0.5), math.log(0.25)], vocab_size=4)
+    # p = (0.5, 0.25) over a vocabulary of 4; rest mass 0.25 over 2 tokens. The second row
+    # is shorter and has a null (probability 0): mass 0.5 beside p = 0.5, 3 tokens left.
+    lower, tail = topk_entropy_bounds(
+        [[math.log(0.5), math.log(0.25)], [math.log(0.5)], [math.log(0.5), None]], vocab_size=4
+    )
     head = 0.5 * math.log(2) + 0.25 * math.log(4)
-    assert b.head == pytest.approx(head)
-    assert b.lower == pytest.approx(head + 0.25 * math.log(4))
-    assert b.tail == pytest.approx(0.25 * math.log(2 / 0.25))
-    # the true maximum-entropy completion (0.125, 0.125) hits the upper bound exactly
-    assert b.upper == pytest.approx(head + 2 * 0.125 * math.log(8))
-
-
-def test_entropy_bounds_trust_only_k_of_the_set() -> None:
-    # a set of 3 that holds the top-2 (0.5, 0.2) and a sampled token outside them (0.05), as a
-    # list with the sampled token in one slot is: trusted as the top-3 it would overshoot
-    dist = [0.5, 0.2, 0.1, 0.1, 0.05, 0.05]
-    row = [math.log(0.5), math.log(0.2), math.log(0.05)]
-    exact = -sum(x * math.log(x) for x in dist)
-    b = topk_entropy_bounds(row, k=2, vocab_size=len(dist))
-    assert b.lower <= exact <= b.upper  # type: ignore[operator]
-    assert topk_entropy_bounds(row, vocab_size=len(dist)).lower > exact
+    assert lower[0] == pytest.approx(head + 0.25 * math.log(4))
+    assert tail is not None and tail[0] == pytest.approx(0.25 * math.log(2 / 0.25))
+    # the true maximum-entropy completion (0.125, 0.125) hits the upper bound H_S + tail exactly
+    assert head + tail[0] == pytest.approx(head + 2 * 0.125 * math.log(8))
+    assert lower[1] == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2))
+    assert tail[1] == pytest.approx(0.5 * math.log(3 / 0.5))
+    assert lower[2] == pytest.approx(lower[1]) and tail[2] == pytest.approx(0.5 * math.log(2 / 0.5))
+    # an array of rows gives the same bounds as its lists; without V there is no tail
+    rows = np.log(np.array([[0.5, 0.25], [0.9, 0.05]]))
+    assert topk_entropy_bounds(rows)[1] is None
+    assert np.array_equal(topk_entropy_bounds(rows)[0], topk_entropy_bounds(rows.tolist())[0])
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.floats(-8.0, 3.0), min_size=3, max_size=40),
+    st.lists(st.lists(st.floats(-8.0, 3.0), min_size=3, max_size=40), min_size=1, max_size=4),
     st.integers(1, 40),
 )
-def test_entropy_bounds_bracket_the_true_entropy(logits: list[float], k: int) -> None:
-    top = max(logits)
-    z = math.fsum(math.exp(x - top) for x in logits)
-    logps = [x - top - math.log(z) for x in logits]
-    exact = -math.fsum(math.exp(lp) * lp for lp in logps)
-    k = min(k, len(logps))
-    head = sorted(logps, reverse=True)[:k]
-    b = topk_entropy_bounds(head, vocab_size=len(logps))
-    assert b.lower <= exact + 1e-9
-    assert b.upper is not None and exact <= b.upper + 1e-9
+def test_entropy_bounds_bracket_the_true_entropy(dists: list[list[float]], k: int) -> None:
+    rows, exact, head, vocab = [], [], [], min(len(d) for d in dists)
+    for logits in dists:
+        logits = logits[:vocab]
+        top = max(logits)
+        z = math.fsum(math.exp(x - top) for x in logits)
+        logps = [x - top - math.log(z) for x in logits]
+        exact.append(-math.fsum(math.exp(lp) * lp for lp in logps))
+        rows.append(sorted(logps, reverse=True)[: min(k, vocab)])
+        head.append(-math.fsum(math.exp(lp) * lp for lp in rows[-1]))
+    lower, tail = topk_entropy_bounds(rows, vocab_size=vocab)
+    assert tail is not None
+    for i, h in enumerate(exact):
+        assert lower[i] <= h + 1e-9
+        assert h <= head[i] + tail[i] + 1e-9

@@ -27,7 +27,7 @@ import orjson
 
 from ....monitor.core.errors import NotFast
 from .. import native
-from ..records import HeldRecord, topk_entropy_bounds_rows, version_runs
+from ..records import HeldRecord, topk_entropy_bounds, version_runs
 from .keyspan import (
     _LB,
     Hole,
@@ -255,7 +255,7 @@ class FastSample:
         if self.tops is not None and self.n:
             tops = np.concatenate(self.tops)
             if tops.shape == (self.n, tops.shape[1]) and tops.shape[1] > 0:
-                lower, tail = topk_entropy_bounds_rows(tops, vocab_size=vocab_size)
+                lower, tail = topk_entropy_bounds(tops, vocab_size=vocab_size)
                 source = "topk"
         prompt = self.prompt
         if prompt is None and fallback_prompt is not None:

@@ -133,14 +133,13 @@ def _prefill_entropy(rows: Any, start: int, total: int) -> tuple[float, ...] | N
     if not isinstance(rows, list) or len(rows) != total:
         got = len(rows) if isinstance(rows, list) else type(rows).__name__
         raise WireError(f"{where}: expected {total} rows (one per input token), got {got}")
-    out: list[float] = []
+    tops = []
     for j in range(start, total):
         row = rows[j]
         if row is None or row == []:
             return None  # SGLang had no top-k for this position: no bound
-        _, lps = parse_logprob_triples(row, f"{where}[{j}]")
-        out.append(topk_entropy_bounds(lps).lower)
-    return tuple(out)
+        tops.append(parse_logprob_triples(row, f"{where}[{j}]")[1])
+    return tuple(topk_entropy_bounds(tops)[0].tolist())
 
 
 class ProbeSink(Protocol):

@@ -351,10 +351,9 @@ class SampleState:
         tail: tuple[float, ...] | None = None
         source: str | None = None
         if self.tops is not None and self.ids and all(row for row in self.tops):
-            bounds = [topk_entropy_bounds(row or [], vocab_size=vocab_size) for row in self.tops]
-            lower = tuple(b.lower for b in bounds)
-            if vocab_size is not None:
-                tail = tuple(b.tail or 0.0 for b in bounds)
+            low, high = topk_entropy_bounds([r or [] for r in self.tops], vocab_size=vocab_size)
+            lower = tuple(low.tolist())
+            tail = None if high is None else tuple(high.tolist())
             source = "topk"
         prompt = self.prompt_ids if self.prompt_ids is not None else fallback_prompt
         return RolloutRecord(
