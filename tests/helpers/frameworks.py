@@ -4,16 +4,49 @@ share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import pytest
+
+from tests.helpers import logs
 from tests.helpers.pages import page
 from timwatch.monitor.core.errors import RunPaged
 
-if TYPE_CHECKING:
-    import pytest
+__all__ = ["RaisingTap", "RecordingTap", "plugin_loader", "require_package", "stopped_by_page"]
 
-__all__ = ["RaisingTap", "RecordingTap", "stopped_by_page"]
+
+def require_package(name: str) -> None:
+    """Skip the calling test module where trainer package ``name`` is not installed; under CI
+    (or ``TIMWATCH_REQUIRE_<NAME>``) its absence fails instead. Looks the package up without
+    importing it, so collecting the suite does not import it in every worker (`plugin_loader`
+    does, once, before the module's first test)."""
+    if importlib.util.find_spec(name) is not None:
+        return
+    if os.environ.get("CI") or os.environ.get(f"TIMWATCH_REQUIRE_{name.upper()}"):
+        raise ModuleNotFoundError(f"{name} is not installed (scripts/test.sh installs it)")
+    pytest.skip(f"{name} is not installed", allow_module_level=True)
+
+
+def plugin_loader(plugin: str, before: Callable[[], None] | None = None) -> Any:
+    """A module-scoped autouse fixture that imports ``plugin`` (a plug-in that installs itself
+    into its trainer package on import, importing that package: seconds of one core each)
+    before the module's first test and sets it as the module's global ``plugin``; ``before``
+    runs first (e.g. `skyrl_tiny.import_skyrl`). Some packages replace the process's logging
+    manager when imported (AReaL): it is put back (`tests.helpers.logs`)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def plugin_loaded(request: pytest.FixtureRequest) -> Iterator[None]:
+        if before is not None:
+            before()
+        request.module.plugin = importlib.import_module(plugin)
+        logs.restore()
+        yield
+
+    return plugin_loaded
 
 
 class RecordingTap:

@@ -16,28 +16,23 @@ And the guard through the plug-in: with TIMWATCH_ON_PAGE=raise, AReaL's `ppo_upd
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_AREAL"):
-    import areal  # noqa: F401  # CI installs it: a missing AReaL fails, it does not skip
-else:
-    pytest.importorskip("areal")
-
 from tests.helpers import areal_tiny as at
-from tests.helpers import logs
-from tests.helpers.frameworks import guarded_env, stopped_by_page
+from tests.helpers.frameworks import guarded_env, plugin_loader, require_package, stopped_by_page
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.reference import reference
 from tests.helpers.verl_tiny import TinyModel
 from tests.helpers.wire import fresh_run
-from timwatch.sidecar.integrations import areal as plugin
 
-logs.restore()  # importing AReaL replaced the process's logging manager
+require_package("areal")
+# the AReaL plug-in, imported (with AReaL) before the first test
+plugin: Any = None
+_plugin_loaded = plugin_loader("timwatch.sidecar.integrations.areal")
 
 # a real trainer package: the full suite and CI run it, the quick tier does not
 pytestmark = pytest.mark.framework

@@ -15,7 +15,6 @@ And the guard through the plug-in: with TIMWATCH_ON_PAGE=raise, the policy worke
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +22,19 @@ import numpy as np
 import pytest
 import torch
 
-if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_SKYRL"):
-    import skyrl  # noqa: F401  # CI installs it: a missing skyrl fails, it does not skip
-else:
-    pytest.importorskip("skyrl")
-
 from tests.helpers import skyrl_tiny as st
-
-st.import_skyrl()
-
-from tests.helpers.frameworks import guarded_env, stopped_by_page  # noqa: E402
-from tests.helpers.procs import SHARED_TOKEN, ServerProc  # noqa: E402
-from tests.helpers.reference import reference  # noqa: E402
-from tests.helpers.wire import fresh_run  # noqa: E402
-from timwatch.sidecar.integrations import skyrl as plugin  # noqa: E402
+from tests.helpers.frameworks import guarded_env, plugin_loader, require_package, stopped_by_page
+from tests.helpers.procs import SHARED_TOKEN, ServerProc
+from tests.helpers.reference import reference
+from tests.helpers.wire import fresh_run
 
 # a real trainer package: the full suite and CI run it, the quick tier does not
 pytestmark = pytest.mark.framework
+
+require_package("skyrl")
+# the SkyRL plug-in, imported (with SkyRL) before the first test
+plugin: Any = None
+_plugin_loaded = plugin_loader("timwatch.sidecar.integrations.skyrl", st.import_skyrl)
 
 SAVE_FREQ = 3
 

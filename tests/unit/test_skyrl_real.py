@@ -16,22 +16,18 @@ import numpy as np
 import pytest
 import torch
 
-if os.environ.get("CI") or os.environ.get("TIMWATCH_REQUIRE_SKYRL"):
-    import skyrl  # noqa: F401  # CI installs it: a missing skyrl fails, it does not skip
-else:
-    pytest.importorskip("skyrl")
-
 from tests.helpers import skyrl_tiny as st
-from tests.helpers.frameworks import RaisingTap, RecordingTap
-
-st.import_skyrl()
-
-from timwatch.monitor.core.errors import PluginContextError, RunPaged, TimwatchError  # noqa: E402
-from timwatch.sidecar.integrations import skyrl as plugin  # noqa: E402
-from timwatch.sidecar.integrations import skyrl_loss  # noqa: E402
+from tests.helpers.frameworks import RaisingTap, RecordingTap, plugin_loader, require_package
+from timwatch.monitor.core.errors import PluginContextError, RunPaged, TimwatchError
+from timwatch.sidecar.integrations import skyrl_loss
 
 # a real trainer package: the full suite and CI run it, the quick tier does not
 pytestmark = pytest.mark.framework
+
+require_package("skyrl")
+# the SkyRL plug-in, imported (with SkyRL) before the first test
+plugin: Any = None
+_plugin_loaded = plugin_loader("timwatch.sidecar.integrations.skyrl", st.import_skyrl)
 
 
 @pytest.fixture
