@@ -63,6 +63,9 @@ CONFIGS: dict[str, V2Config] = {
     **_family("lag2", V2Config("lag2", engine="bf16", lag=2)),
     **_family("lag4", V2Config("lag4", engine="bf16", lag=4)),
     "control-lag4": V2Config("control-lag4", engine="fp32", lag=4),
+    # int4 weights one version behind, against the fp32 engine at the same lag
+    **_family("int4lag1", V2Config("int4lag1", engine="int4", lag=1)),
+    "control-lag1": V2Config("control-lag1", engine="fp32", lag=1),
     # the test's miniature: a few steps of a few short sequences
     "mini": V2Config("mini", engine="int4", lag=1, steps=3, prompts=2, group=2, response=8),
 }
