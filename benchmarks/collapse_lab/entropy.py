@@ -31,6 +31,16 @@ def _first(firings: list[dict[str, Any]], alert: str) -> int | None:
     return min(steps) if steps else None
 
 
+def reward_at(rewards: list[float], step: int) -> tuple[float, float]:
+    """The run's reward where a rule fired at ``step``: the mean of the 10 steps up to it over
+    the mean of the first 20 steps (its gain on the run's own start), and that mean minus the
+    mean of the 10 steps 20 before (its change over the last 20 steps)."""
+    now = statistics.fmean(rewards[max(step - 9, 0) : step + 1])
+    start = statistics.fmean(rewards[:20])
+    before = statistics.fmean(rewards[max(step - 29, 0) : max(step - 19, 1)])
+    return now / start, now - before
+
+
 def row(rundir: Path) -> dict[str, Any]:
     """One run: its outcome and the first step of the shipped and of the candidate rule."""
     result = json.loads((rundir / "result.json").read_text())
@@ -38,11 +48,15 @@ def row(rundir: Path) -> dict[str, Any]:
     rewards = [json.loads(line)["reward"] for line in (rundir / "steps.jsonl").open()]
     last20 = statistics.fmean(rewards[-20:])
     onset = result["collapse_step"]
+    shipped = _first(firings, SHIPPED_ALERT)
+    gain, change = (None, None) if shipped is None else reward_at(rewards, shipped)
     return {
         "config": result["config"], "seed": result["seed"], "collapse_step": onset,
         "reward_last20": round(last20, 4),
         "converged": onset is None and last20 >= CONVERGED_REWARD,
-        "shipped": _first(firings, SHIPPED_ALERT), "candidate": _first(firings, CANDIDATE_ALERT),
+        "shipped": shipped, "candidate": _first(firings, CANDIDATE_ALERT),
+        "reward_gain_at_shipped": None if gain is None else round(gain, 3),
+        "reward_change20_at_shipped": None if change is None else round(change, 3),
     }  # fmt: skip
 
 
@@ -91,6 +105,20 @@ def main(
             f"{r['reward_last20']:.3g} | {'yes' if r['converged'] else 'no'} | "
             f"{_step(r['shipped'])} | {_step(r['candidate'])} |"
         )
+    print("\nthe reward where the shipped rule fired: gain on the first 20 steps; change over 20")
+    for name, group in (
+        ("converged", [r for r in rows if r["converged"]]),
+        ("collapsed", [r for r in rows if r["collapse_step"] is not None]),
+    ):
+        fired = [r for r in group if r["shipped"] is not None]
+        if fired:
+            gains = [r["reward_gain_at_shipped"] for r in fired]
+            changes = [r["reward_change20_at_shipped"] for r in fired]
+            median = statistics.median(gains)
+            print(
+                f"{name} ({len(fired)}): gain {min(gains):.1f}–{max(gains):.1f}× (median "
+                f"{median:.1f}), change {min(changes):+.2f} to {max(changes):+.2f}"
+            )
     decision = decide(rows)
     print(json.dumps(decision, indent=1))
     if json_out is not None:

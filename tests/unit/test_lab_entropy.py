@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.collapse_lab.entropy import decide
+import pytest
+
+from benchmarks.collapse_lab.entropy import decide, reward_at
 
 
 def _row(
@@ -40,3 +42,13 @@ def test_each_condition_can_fail_alone() -> None:
         assert list(d["conditions"].values()) == [True, True, False] and not d["ship"]
     # exactly 10 steps late is in time
     assert decide(CONVERGED + [*COLLAPSED[:2], _row(100, False, 80, 90)])["ship"]
+
+
+def test_reward_at_a_firing_by_hand() -> None:
+    # 20 steps at 0.1, then 0.2 for 10, then 0.5 for 10: fired at step 39
+    rewards = [0.1] * 20 + [0.2] * 10 + [0.5] * 10
+    gain, change = reward_at(rewards, 39)
+    assert gain == pytest.approx(5.0)  # 0.5 over the first 20 steps' 0.1
+    assert change == pytest.approx(0.4)  # 0.5 against steps 10-19's 0.1
+    gain, change = reward_at(rewards, 29)
+    assert gain == pytest.approx(2.0) and change == pytest.approx(0.1)
