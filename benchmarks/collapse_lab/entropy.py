@@ -1,11 +1,11 @@
-"""``python -m benchmarks.collapse_lab.entropy DIR… [--json OUT]``: PROTOCOL-entropy.md's table.
+"""``python -m benchmarks.collapse_lab.entropy DIR… [--json OUT]``: PROTOCOL-entropy.md's table
+and the decisions of PROTOCOL-entropy.md (`decide`) and PROTOCOL-entropy2.md (`decide_state`).
 
 Every lab v1 run under ``DIR/*/`` (``result.json``, ``steps.jsonl``, ``series.jsonl``) is
 replayed through the shipped rules together with lab v2's candidate file (its
 `TimwatchEntropyCollapseCandidate` reads the run's reward scalars; `replay.cached_firings`, so an
 edited rule replays again). A run is *converged* when it did not collapse and its last 20
-steps' mean reward is at least `CONVERGED_REWARD`; `decide` applies the protocol's three
-conditions.
+steps' mean reward is at least `CONVERGED_REWARD`.
 """
 
 from __future__ import annotations
@@ -86,6 +86,30 @@ def decide(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def decide_state(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """PROTOCOL-entropy2.md's three conditions on ``rows``: the candidate as a warning about
+    the run's state (silent on converged runs, on at least 3/4 of the collapses at any step)."""
+    converged = [r for r in rows if r["converged"]]
+    collapsed = [r for r in rows if r["collapse_step"] is not None]
+    shipped_conv = sum(r["shipped"] is not None for r in converged)
+    cand_conv = sum(r["candidate"] is not None for r in converged)
+    cand_coll = sum(r["candidate"] is not None for r in collapsed)
+    conditions = {
+        "1 shipped fires on at least half of the converged runs": bool(converged)
+        and 2 * shipped_conv >= len(converged),
+        "2 candidate fires on no converged run": cand_conv == 0,
+        "3 at least 3 collapsed runs, the candidate on at least 3/4 of them": (
+            len(collapsed) >= 3 and 4 * cand_coll >= 3 * len(collapsed)
+        ),
+    }
+    return {
+        "runs": len(rows), "converged": len(converged), "collapsed": len(collapsed),
+        "shipped_on_converged": shipped_conv, "candidate_on_converged": cand_conv,
+        "candidate_on_collapsed": cand_coll,
+        "conditions": conditions, "ship": all(conditions.values()),
+    }  # fmt: skip
+
+
 def _step(x: int | None) -> str:
     return "–" if x is None else str(x)
 
@@ -120,9 +144,12 @@ def main(
                 f"{median:.1f}), change {min(changes):+.2f} to {max(changes):+.2f}"
             )
     decision = decide(rows)
-    print(json.dumps(decision, indent=1))
+    state = decide_state(rows)
+    print("PROTOCOL-entropy.md:", json.dumps(decision, indent=1))
+    print("PROTOCOL-entropy2.md:", json.dumps(state, indent=1))
     if json_out is not None:
-        json_out.write_text(json.dumps({"rows": rows, "decision": decision}, indent=1) + "\n")
+        out = {"rows": rows, "decision": decision, "decision_state": state}
+        json_out.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

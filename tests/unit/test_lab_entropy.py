@@ -1,4 +1,5 @@
-"""PROTOCOL-entropy.md's decision (`benchmarks.collapse_lab.entropy.decide`) on hand-made rows."""
+"""PROTOCOL-entropy.md's and PROTOCOL-entropy2.md's decisions (`benchmarks.collapse_lab.entropy`
+`decide`, `decide_state`) on hand-made rows."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.collapse_lab.entropy import decide, reward_at
+from benchmarks.collapse_lab.entropy import decide, decide_state, reward_at
 
 
 def _row(
@@ -52,3 +53,20 @@ def test_reward_at_a_firing_by_hand() -> None:
     assert change == pytest.approx(0.4)  # 0.5 against steps 10-19's 0.1
     gain, change = reward_at(rewards, 29)
     assert gain == pytest.approx(2.0) and change == pytest.approx(0.1)
+
+
+def test_the_state_decision_takes_late_firings_and_needs_three_quarters() -> None:
+    late = _row(100, False, 60, 140)  # long after the shipped rule and the onset: still counts
+    d = decide_state(CONVERGED + [*COLLAPSED[:2], late])
+    assert d["candidate_on_collapsed"] == 3 and d["ship"]
+    # 3 of 4 collapses is enough, 2 of 3 is not
+    silent = _row(1, False, 0, None)
+    assert decide_state(CONVERGED + COLLAPSED + [silent])["ship"]
+    d = decide_state(CONVERGED + [*COLLAPSED[:2], silent])
+    assert list(d["conditions"].values()) == [True, True, False]
+    # fewer than 3 collapses cannot ship; a candidate on a converged run cannot either
+    assert not decide_state(CONVERGED + COLLAPSED[:2])["ship"]
+    loud = [_row(None, True, 50, 52), *CONVERGED[1:]]
+    assert list(decide_state(loud + COLLAPSED)["conditions"].values()) == [True, False, True]
+    quiet = [_row(None, True, None, None), _row(None, True, None, None), _row(None, True, 5, None)]
+    assert list(decide_state(quiet + COLLAPSED)["conditions"].values()) == [False, True, True]
