@@ -84,7 +84,8 @@ if [ "$(cat .venv/installed.sha256 2>/dev/null)" != "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[test]'
   # the real trainer packages for their plug-ins' tests, without their own requirements (they
   # would replace torch==2.13.0): each with only what its imports need, pinned, in one call
-  # (verl, TRL, AReaL's PPO actor, OpenRLHF, skyrl: tests/requirements-*.txt)
+  # (verl, TRL, AReaL's PPO actor, OpenRLHF, skyrl: tests/requirements-*.txt). Before the
+  # linters: mypy reads them (the plug-ins' imports of trl and verl)
   .venv/bin/python -m pip install -q --no-deps -r tests/requirements-verl.txt \
     -r tests/requirements-trl.txt -r tests/requirements-areal.txt \
     -r tests/requirements-openrlhf.txt -r tests/requirements-skyrl.txt
