@@ -60,54 +60,59 @@ def row(rundir: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def decide(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The protocol's three conditions on ``rows`` and whether the clause ships (all three)."""
-    converged = [r for r in rows if r["converged"]]
-    collapsed = [r for r in rows if r["collapse_step"] is not None]
+def _groups(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The converged runs and the collapsed ones."""
+    return [r for r in rows if r["converged"]], [r for r in rows if r["collapse_step"] is not None]
+
+
+def _decision(
+    rows: list[dict[str, Any]], third: str, third_holds: bool, counts: dict[str, int]
+) -> dict[str, Any]:
+    """Both protocols' decision: their shared conditions 1 (the shipped rule fires on at least
+    half of the converged runs) and 2 (the candidate on none of them), then their own third."""
+    converged, collapsed = _groups(rows)
     shipped_conv = sum(r["shipped"] is not None for r in converged)
     cand_conv = sum(r["candidate"] is not None for r in converged)
-    hit = [r for r in collapsed if r["shipped"] is not None]
-    kept = [
-        r for r in hit if r["candidate"] is not None and r["candidate"] - r["shipped"] <= MAX_DELAY
-    ]
     conditions = {
         "1 shipped fires on at least half of the converged runs": bool(converged)
         and 2 * shipped_conv >= len(converged),
         "2 candidate fires on no converged run": cand_conv == 0,
-        "3 at least 3 collapsed runs get the shipped rule, the candidate on each within 10 steps": (
-            len(hit) >= 3 and len(kept) == len(hit)
-        ),
+        third: third_holds,
     }
     return {
         "runs": len(rows), "converged": len(converged), "collapsed": len(collapsed),
-        "shipped_on_converged": shipped_conv, "candidate_on_converged": cand_conv,
-        "collapsed_with_shipped": len(hit), "of_them_candidate_in_time": len(kept),
+        "shipped_on_converged": shipped_conv, "candidate_on_converged": cand_conv, **counts,
         "conditions": conditions, "ship": all(conditions.values()),
     }  # fmt: skip
+
+
+def decide(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """PROTOCOL-entropy.md's three conditions on ``rows`` and whether the clause ships (all
+    three): the third, the candidate within `MAX_DELAY` steps of the shipped rule on each of at
+    least 3 collapses the shipped rule fired on."""
+    hit = [r for r in _groups(rows)[1] if r["shipped"] is not None]
+    kept = [
+        r for r in hit if r["candidate"] is not None and r["candidate"] - r["shipped"] <= MAX_DELAY
+    ]
+    return _decision(
+        rows,
+        "3 at least 3 collapsed runs get the shipped rule, the candidate on each within 10 steps",
+        len(hit) >= 3 and len(kept) == len(hit),
+        {"collapsed_with_shipped": len(hit), "of_them_candidate_in_time": len(kept)},
+    )
 
 
 def decide_state(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """PROTOCOL-entropy2.md's three conditions on ``rows``: the candidate as a warning about
     the run's state (silent on converged runs, on at least 3/4 of the collapses at any step)."""
-    converged = [r for r in rows if r["converged"]]
-    collapsed = [r for r in rows if r["collapse_step"] is not None]
-    shipped_conv = sum(r["shipped"] is not None for r in converged)
-    cand_conv = sum(r["candidate"] is not None for r in converged)
+    collapsed = _groups(rows)[1]
     cand_coll = sum(r["candidate"] is not None for r in collapsed)
-    conditions = {
-        "1 shipped fires on at least half of the converged runs": bool(converged)
-        and 2 * shipped_conv >= len(converged),
-        "2 candidate fires on no converged run": cand_conv == 0,
-        "3 at least 3 collapsed runs, the candidate on at least 3/4 of them": (
-            len(collapsed) >= 3 and 4 * cand_coll >= 3 * len(collapsed)
-        ),
-    }
-    return {
-        "runs": len(rows), "converged": len(converged), "collapsed": len(collapsed),
-        "shipped_on_converged": shipped_conv, "candidate_on_converged": cand_conv,
-        "candidate_on_collapsed": cand_coll,
-        "conditions": conditions, "ship": all(conditions.values()),
-    }  # fmt: skip
+    return _decision(
+        rows,
+        "3 at least 3 collapsed runs, the candidate on at least 3/4 of them",
+        len(collapsed) >= 3 and 4 * cand_coll >= 3 * len(collapsed),
+        {"candidate_on_collapsed": cand_coll},
+    )
 
 
 def _step(x: int | None) -> str:
@@ -130,10 +135,7 @@ def main(
             f"{_step(r['shipped'])} | {_step(r['candidate'])} |"
         )
     print("\nthe reward where the shipped rule fired: gain on the first 20 steps; change over 20")
-    for name, group in (
-        ("converged", [r for r in rows if r["converged"]]),
-        ("collapsed", [r for r in rows if r["collapse_step"] is not None]),
-    ):
+    for name, group in zip(("converged", "collapsed"), _groups(rows), strict=True):
         fired = [r for r in group if r["shipped"] is not None]
         if fired:
             gains = [r["reward_gain_at_shipped"] for r in fired]
