@@ -4,7 +4,8 @@ PostgreSQL.
 API tests talk to the app in this process (`app_factory`, `app`: `tests.helpers.inproc`) on a real
 store. What needs a process uses ``python -m timwatch serve`` subprocesses on free 127.0.0.1 ports
 (`tests.helpers.procs`): the session's `shared_server` (tests that share it use `fresh_run` ids),
-or `server_factory` for one with its own database or flags. PostgreSQL comes from
+a test module's `server` (its tests use their own run names), or `server_factory` for one with its
+own database or flags. PostgreSQL comes from
 ``TIMWATCH_TEST_PG_URL`` (``.ci/start-postgres.sh`` prints one); each test that asks for it gets a
 fresh database. With ``CI`` or ``TIMWATCH_REQUIRE_PG`` set, a missing PostgreSQL fails the test
 instead of skipping it.
@@ -63,10 +64,28 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
         srv.stop()
 
 
+@pytest.fixture(scope="module")
+def _module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    tmp = tmp_path_factory.mktemp("module-server")
+    srv = ServerProc(
+        db=f"sqlite:///{tmp / 'tw.db'}",
+        port=free_port(),
+        args=[],
+        env=server_env(None),
+        log=tmp / "server.log",
+    )
+    yield srv
+    srv.stop()
+
+
 @pytest.fixture
-def server(server_factory: Callable[..., ServerProc]) -> ServerProc:
-    """One server on a fresh SQLite file, writes open."""
-    return server_factory()
+def server(_module_server: ServerProc) -> ServerProc:
+    """The test module's server on its own SQLite file, writes open: started on first use and
+    again if a test left it dead. The module's tests share its data: each uses its own runs."""
+    srv = _module_server
+    if srv.proc is None or srv.proc.poll() is not None:
+        srv.start()
+    return srv
 
 
 @pytest.fixture(scope="session")

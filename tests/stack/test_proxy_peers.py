@@ -28,7 +28,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,14 @@ import pytest
 from tests.helpers.procs import REPO, ServerProc, free_port, running_process, stop_process
 
 RUN = "peers"
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., ServerProc]) -> ServerProc:
+    """A server of the test's own: every test here writes run `RUN` from step 1."""
+    return server_factory()
+
+
 PROXIES = 3
 REPORT_TTL_S = 3.0
 PEER_TIMEOUT_S = 1.0
