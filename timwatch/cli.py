@@ -1,6 +1,7 @@
 """The ``timwatch`` program's entry point (`main`): it checks that the extra the command needs is
 installed before importing typer (which itself comes with an extra), then runs the typer app of
-`timwatch.commands` through `timwatch.monitor.cli.program.run`.
+`timwatch.commands` (with only the command it runs mounted) through
+`timwatch.monitor.cli.program.run`.
 
 A command whose extra is missing prints one line on stderr naming the extra
 (``timwatch serve needs the [server] extra: pip install 'timwatch[server]'``) and exits 2, as
@@ -48,10 +49,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if message is not None:
         print(message, file=sys.stderr, flush=True)
         sys.exit(2)
-    from .commands import app
+    from .commands import program
     from .monitor.cli.program import run
 
-    sys.exit(run(app, args))
+    sys.exit(run(program(_command(args)), args))
 
 
 def __getattr__(name: str) -> Any:

@@ -18,6 +18,7 @@ from typer.core import TyperGroup
 
 from tests.helpers.procs import REPO, ServerProc
 from timwatch.cli import app
+from timwatch.commands import program
 from timwatch.monitor.cli.program import run
 from timwatch.monitor.core.masks import POLICIES, PolicyParams
 
@@ -91,6 +92,31 @@ def test_root_help_as_a_user_runs_it() -> None:
     )  # fmt: skip
     assert p.returncode == 0 and p.stderr == ""
     assert NOISE.search(p.stdout) is None and "--version" in p.stdout
+
+
+@pytest.mark.parametrize("path", [p for p in command_paths() if p], ids=lambda p: " ".join(p))
+def test_a_command_mounted_alone_helps_as_in_the_whole_program(
+    path: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = help_text(path, capsys)
+    assert run(program(path[0]), [*path, "--help"]) == 0
+    assert capsys.readouterr().out == whole
+
+
+def test_a_command_runs_without_importing_the_others() -> None:
+    probe = (
+        "import atexit, sys\n"
+        "names = ('timwatch.monitor.cli.serve', 'timwatch.monitor.cli.compare', "
+        "'timwatch.sidecar.cli', 'numba')\n"
+        "atexit.register(lambda: print([n for n in names if n in sys.modules]))\n"
+        "from timwatch.cli import main\n"
+        "main(['runs', '--url', 'http://127.0.0.1:1'])\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert p.returncode == 2 and "cannot reach" in p.stderr.lower(), p.stderr
+    assert p.stdout.strip() == "[]", p.stdout
 
 
 @pytest.mark.parametrize("command", ["analyze", "serve"])
