@@ -6,7 +6,7 @@ pages a run, the tap learns it from its next batch answer, and a training loop w
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.pages import webhook
-from tests.helpers.procs import ServerProc
+from tests.helpers.procs import ServerProc, free_port, server_env
 from timwatch.monitor.core.errors import RunPaged
 from timwatch.sidecar.tap import MarkerFile, Page, Tap
 
@@ -39,9 +39,15 @@ def post_webhook(srv: ServerProc, body: Any, token: str | None = TOKEN) -> httpx
     return httpx.post(f"{srv.url}/v1/alertmanager", json=body, headers=headers, timeout=10)
 
 
-@pytest.fixture
-def srv(server_factory: Callable[..., ServerProc]) -> ServerProc:
-    return server_factory(token=TOKEN, env={"TIMWATCH_TOKEN": TOKEN})
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """The module's server, writes protected by `TOKEN`: its tests page runs of their own."""
+    tmp = tmp_path_factory.mktemp("guard")
+    env = server_env({"TIMWATCH_TOKEN": TOKEN})
+    srv = ServerProc(f"sqlite:///{tmp / 'tw.db'}", free_port(), [], env, tmp / "server.log")
+    srv.token = TOKEN
+    yield srv.start()
+    srv.stop()
 
 
 def test_training_loop_stops_at_the_step_after_the_page(srv: ServerProc) -> None:
