@@ -10,6 +10,7 @@ are the same as in `app`, the program with every command (help, an unknown word)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
@@ -136,7 +137,12 @@ def program(word: str | None) -> typer.Typer:
     return app
 
 
+@functools.cache
+def _whole() -> typer.Typer:
+    return program(None)
+
+
 def __getattr__(name: str) -> typer.Typer:
-    if name == "app":  # the whole program, built on first use
-        return program(None)
+    if name == "app":  # the whole program, built once, on first use
+        return _whole()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
