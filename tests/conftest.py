@@ -22,7 +22,13 @@ import pytest
 
 from tests.helpers import logs
 from tests.helpers.pg import fresh_database
-from tests.helpers.procs import ServerProc, free_port, server_env, shared_server_proc
+from tests.helpers.procs import (
+    ServerProc,
+    free_port,
+    server_env,
+    shared_server_proc,
+    sqlite_server_proc,
+)
 
 if TYPE_CHECKING:  # the app's modules load on first use, not for every test session
     from tests.helpers.inproc import InProcessApp
@@ -66,14 +72,7 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProc]]:
 
 @pytest.fixture(scope="module")
 def _module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    tmp = tmp_path_factory.mktemp("module-server")
-    srv = ServerProc(
-        db=f"sqlite:///{tmp / 'tw.db'}",
-        port=free_port(),
-        args=[],
-        env=server_env(None),
-        log=tmp / "server.log",
-    )
+    srv = sqlite_server_proc(tmp_path_factory.mktemp("module-server"), "tw")
     yield srv
     srv.stop()
 
@@ -82,10 +81,7 @@ def _module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 def server(_module_server: ServerProc) -> ServerProc:
     """The test module's server on its own SQLite file, writes open: started on first use and
     again if a test left it dead. The module's tests share its data: each uses its own runs."""
-    srv = _module_server
-    if srv.proc is None or srv.proc.poll() is not None:
-        srv.start()
-    return srv
+    return _module_server.running()
 
 
 @pytest.fixture(scope="session")
@@ -99,10 +95,7 @@ def _shared_server_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def shared_server(_shared_server_session: ServerProc) -> ServerProc:
     """The one server process of the session (`tests.helpers.procs.shared_server_proc`), started
     on first use and again if a test left it dead. Its data outlives the test: use `fresh_run`."""
-    srv = _shared_server_session
-    if srv.proc is None or srv.proc.poll() is not None:
-        srv.start()
-    return srv
+    return _shared_server_session.running()
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ __all__ = [
     "server_env",
     "sglang_proxy_process",
     "shared_server_proc",
+    "sqlite_server_proc",
     "stop_process",
 ]
 
@@ -126,6 +127,13 @@ class ServerProc:
             time.sleep(0.1)
         raise RuntimeError(f"server did not come up:\n{self.output()}")
 
+    def running(self) -> ServerProc:
+        """This server, started when it is not running (never started, or a test left it
+        dead)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        return self
+
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -154,16 +162,36 @@ def server_env(extra: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
+def sqlite_server_proc(
+    directory: Path,
+    name: str,
+    *,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    token: str | None = None,
+) -> ServerProc:
+    """A server (not started) on ``directory/NAME.db`` on a free port, logging to
+    ``directory/NAME-server.log``, with `server_env` (``ENV`` added); its `client()` carries
+    ``token``."""
+    return ServerProc(
+        db=f"sqlite:///{directory / f'{name}.db'}",
+        port=free_port(),
+        args=list(args or []),
+        env=server_env(env),
+        log=directory / f"{name}-server.log",
+        token=token,
+    )
+
+
 def shared_server_proc(directory: Path) -> ServerProc:
     """The session's shared server (not started): SQLite in `directory`, ``TIMWATCH_TOKEN`` =
     `SHARED_TOKEN`, ``TIMWATCH_READ_TOKEN`` = `SHARED_READ_TOKEN`, ``--max-body``
     `SHARED_MAX_BODY`. Its `client()` carries the write token, which also reads."""
-    return ServerProc(
-        db=f"sqlite:///{directory / 'shared.db'}",
-        port=free_port(),
+    return sqlite_server_proc(
+        directory,
+        "shared",
         args=["--max-body", str(SHARED_MAX_BODY)],
-        env=server_env({"TIMWATCH_TOKEN": SHARED_TOKEN, "TIMWATCH_READ_TOKEN": SHARED_READ_TOKEN}),
-        log=directory / "shared-server.log",
+        env={"TIMWATCH_TOKEN": SHARED_TOKEN, "TIMWATCH_READ_TOKEN": SHARED_READ_TOKEN},
         token=SHARED_TOKEN,
     )
 

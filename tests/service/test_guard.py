@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.pages import webhook
-from tests.helpers.procs import ServerProc, free_port, server_env
+from tests.helpers.procs import ServerProc, sqlite_server_proc
 from timwatch.monitor.core.errors import RunPaged
 from timwatch.sidecar.tap import MarkerFile, Page, Tap
 
@@ -43,9 +43,7 @@ def post_webhook(srv: ServerProc, body: Any, token: str | None = TOKEN) -> httpx
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """The module's server, writes protected by `TOKEN`: its tests page runs of their own."""
     tmp = tmp_path_factory.mktemp("guard")
-    env = server_env({"TIMWATCH_TOKEN": TOKEN})
-    srv = ServerProc(f"sqlite:///{tmp / 'tw.db'}", free_port(), [], env, tmp / "server.log")
-    srv.token = TOKEN
+    srv = sqlite_server_proc(tmp, "guard", env={"TIMWATCH_TOKEN": TOKEN}, token=TOKEN)
     yield srv.start()
     srv.stop()
 
