@@ -37,7 +37,7 @@ import sglang_standin as standin  # noqa: E402
 
 from timwatch.sidecar.proxy import native  # noqa: E402
 from timwatch.sidecar.proxy.http import dechunk as dechunk_mod  # noqa: E402
-from timwatch.sidecar.proxy.records import HeldRecord  # noqa: E402
+from timwatch.sidecar.proxy.records import RolloutRecord  # noqa: E402
 from timwatch.sidecar.proxy.sglang import stream as relay  # noqa: E402
 from timwatch.sidecar.proxy.sglang.answers import Capturer  # noqa: E402
 from timwatch.sidecar.proxy.sglang.wire import plan_request  # noqa: E402
@@ -126,7 +126,7 @@ def main() -> None:
     assert plan is not None
 
     def capture() -> None:
-        got: list[HeldRecord] = []
+        got: list[RolloutRecord] = []
         counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
         feed = relay.stream_capture(Capturer(got.append, counters, None), plan)
         for body in bodies:

@@ -6,8 +6,8 @@ no trainer report claims within ``ttl_s`` expire and are counted, so a sidecar i
 engine whose samples are filtered out (rejected rollouts, eval traffic) stays bounded; the
 ``max_records`` cap and the ``max_held_bytes`` bound evict the oldest first for the same reason
 (``evicted`` counts them, ``evicted_bytes`` their bytes; ``held_bytes`` is what is held now).
-Records are held as `HeldRecord` arrays (about 28 bytes per token) and handed out as
-`RolloutRecord` again, so the byte bound is what the records really cost.
+A record's arrays take about 28 bytes per token (`RolloutRecord.nbytes`), so the byte bound
+is what the records really cost.
 
 Thread-safe: the proxy's event loop adds records while the joiner may pop from another thread.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .records import HeldRecord, RolloutRecord
+from .records import RolloutRecord
 
 __all__ = ["CaptureStore", "CaptureCounters", "DEFAULT_MAX_HELD_BYTES"]
 
@@ -65,7 +65,7 @@ class CaptureStore:
         self.max_held_bytes = max_held_bytes
         self._clock = clock
         self._lock = threading.Lock()
-        self._by_rid: OrderedDict[str, tuple[float, HeldRecord]] = OrderedDict()
+        self._by_rid: OrderedDict[str, tuple[float, RolloutRecord]] = OrderedDict()
         # hash of the output ids' bytes -> rids; a hit is confirmed by comparing the arrays
         self._by_tokens: dict[int, deque[str]] = {}
         self.counters = CaptureCounters()
@@ -74,21 +74,20 @@ class CaptureStore:
         with self._lock:
             return len(self._by_rid)
 
-    def add(self, record: RolloutRecord | HeldRecord) -> None:
+    def add(self, record: RolloutRecord) -> None:
         """Store a record; a second record with the same rid replaces the first. Then the
         oldest records are evicted until both ``max_records`` and ``max_held_bytes`` hold (a
         single record larger than the byte bound is evicted at once, and counted)."""
-        held = record if isinstance(record, HeldRecord) else HeldRecord.pack(record)
-        key = hash(held.token_key())
+        key = hash(record.token_key())
         with self._lock:
             self._expire_locked(self._clock())
-            if held.rid in self._by_rid:
-                self._remove_locked(held.rid)
+            if record.rid in self._by_rid:
+                self._remove_locked(record.rid)
                 self.counters.replaced += 1
-            self._by_rid[held.rid] = (self._clock(), held)
-            self._by_tokens.setdefault(key, deque()).append(held.rid)
+            self._by_rid[record.rid] = (self._clock(), record)
+            self._by_tokens.setdefault(key, deque()).append(record.rid)
             self.counters.captured += 1
-            self.counters.held_bytes += held.nbytes
+            self.counters.held_bytes += record.nbytes
             while self._by_rid and (
                 len(self._by_rid) > self.max_records
                 or self.counters.held_bytes > self.max_held_bytes
@@ -104,7 +103,7 @@ class CaptureStore:
             if held is None:
                 return None
             self.counters.popped += 1
-        return held.unpack()
+        return held
 
     def pop_by_tokens(self, output_ids: Sequence[int]) -> RolloutRecord | None:
         """Oldest unclaimed record whose sampled tokens equal ``output_ids`` exactly."""
@@ -120,14 +119,13 @@ class CaptureStore:
                     break
             else:
                 return None
-        return held.unpack()
+        return held
 
     def snapshot(self) -> list[RolloutRecord]:
         """All records still held, oldest first (read-only: nothing is popped)."""
         with self._lock:
             self._expire_locked(self._clock())
-            held = [rec for _, rec in self._by_rid.values()]
-        return [rec.unpack() for rec in held]
+            return [rec for _, rec in self._by_rid.values()]
 
     def expire(self) -> int:
         """Drop records older than ``ttl_s``; returns how many were dropped now."""
@@ -145,7 +143,7 @@ class CaptureStore:
         self.counters.expired += dropped
         return dropped
 
-    def _remove_locked(self, rid: str) -> HeldRecord | None:
+    def _remove_locked(self, rid: str) -> RolloutRecord | None:
         entry = self._by_rid.pop(rid, None)
         if entry is None:
             return None

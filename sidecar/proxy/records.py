@@ -1,8 +1,7 @@
 """One finished rollout sample as the sidecar captured it, plus the top-k entropy bounds.
 
 A `RolloutRecord` is engine-agnostic: the SGLang proxy and the vLLM adapter both produce it,
-and the join with trainer reports consumes it. Per-token arrays are tuples so a record can be
-shared between threads (the proxy's event loop and the joiner) without copying.
+the capture store holds it, and the join with trainer reports consumes it.
 
 Entropy from top-k (``entropy_source = "topk"`` in docs/reference/batch.md). The engine returns the
 log-probs of a set S of tokens that contains the true top-k of the next-token distribution p. Let
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,7 +29,6 @@ from ...monitor.core.errors import WireError
 
 __all__ = [
     "RolloutRecord",
-    "HeldRecord",
     "topk_entropy_bounds",
     "version_as_int",
     "version_runs",
@@ -91,7 +88,8 @@ def weight_spans(spans: Any) -> list[tuple[int, int, str | None]]:
 
 
 def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | None, int], ...]:
-    """Run-length per-token versions, equal to `sglang_wire.versions_from_spans`."""
+    """SGLang's ``meta_info.weight_versions`` spans over ``n`` output tokens as version runs
+    (`RolloutRecord.runs`); a token no span covers has the ``default`` label."""
     if n == 0:
         return ()
     if spans is None:
@@ -116,7 +114,7 @@ def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | N
 
 
 def runs_from_versions(versions: Sequence[str | None]) -> tuple[tuple[str | None, int], ...]:
-    """Per-token version labels run-length encoded, ``((label, count), ...)``: `HeldRecord.runs`
+    """Per-token version labels run-length encoded, ``((label, count), ...)``: `RolloutRecord.runs`
     and the peers' take answer hold them so."""
     runs: list[list[Any]] = []
     for label in versions:
@@ -146,190 +144,108 @@ def version_as_int(label: str | None) -> int | None:
         return None
 
 
-def _ints(values: Sequence[Any] | None) -> tuple[int, ...] | None:
-    return None if values is None else tuple(int(v) for v in values)
+# What one record costs beyond its arrays: the object, its arrays' headers, the store's
+# index entries (checked with tracemalloc: tests/unit/test_proxy_records.py).
+HELD_OVERHEAD_BYTES = 1024
 
 
-def _floats(values: Sequence[Any] | None) -> tuple[float, ...] | None:
-    return None if values is None else tuple(float(v) for v in values)
+def _ids(values: Any) -> np.ndarray:
+    """Token ids as int32 when every one fits, else int64."""
+    ids = np.ascontiguousarray(values, dtype=np.int64)
+    if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
+        return ids
+    return ids.astype(np.int32)
 
 
-@dataclass(frozen=True)
+def _floats(values: Any) -> np.ndarray | None:
+    return None if values is None else np.ascontiguousarray(values, dtype=np.float64)
+
+
+def _list(values: np.ndarray | None) -> list[Any] | None:
+    return None if values is None else values.tolist()
+
+
 class RolloutRecord:
-    """A finished sample: what the engine sampled and with which log-prob (μ) and version.
+    """A finished sample: what the engine sampled, with which log-prob (μ) and weight version.
 
-    ``versions`` holds the engine's weight-version label per output token (SGLang reports
-    strings, e.g. ``"default"`` or ``"step-12"``); `versions_as_int` converts them for the
-    packed batch. ``finish_reason`` is the engine's type (``stop``, ``length``, ``abort``).
-    ``sampling`` holds the request's sampling parameters as sent (vLLM proxy: ``temperature``,
-    ``top_p``, ``top_k``, ``min_p``, ``seed``; None when unknown) and ``logprobs_mode`` the
-    engine's log-prob mode (``raw_logprobs`` or ``processed_logprobs``; None when unknown).
+    Held as arrays, no per-token Python objects (28 bytes per output token with entropy
+    bounds, 4 per prompt token): ids as int32 where they fit, log-probs and entropy bounds as
+    float64, and the per-token weight-version labels run-length encoded in ``runs``,
+    ``((label, count), ...)`` whose counts sum to the number of output tokens. Built from
+    per-token ``versions`` (SGLang reports strings, e.g. ``"default"`` or ``"step-12"``) or
+    from ``runs``; `versions` gives them back per token. A record is never changed after it is
+    built, so the proxy's event loop and the joiner share it without copying.
+
+    ``finish_reason`` is the engine's type (``stop``, ``length``, ``abort``). ``sampling``
+    holds the request's sampling parameters as sent (vLLM proxy: ``temperature``, ``top_p``,
+    ``top_k``, ``min_p``, ``seed``; None when unknown) and ``logprobs_mode`` the engine's
+    log-prob mode (``raw_logprobs`` or ``processed_logprobs``; None when unknown). A
+    per-token array of another length than ``output_ids`` is a `ValueError` naming it.
     """
 
-    rid: str
-    input_ids: tuple[int, ...] | None
-    output_ids: tuple[int, ...]
-    logp: tuple[float, ...]
-    versions: tuple[str | None, ...]
-    finish_reason: str | None
-    weight_version: str | None
-    entropy_lower: tuple[float, ...] | None = None
-    entropy_tail: tuple[float, ...] | None = None
-    entropy_source: str | None = None
-    created: float = field(default_factory=time.time)
-    engine: str = "sglang"
-    sampling: dict[str, Any] | None = None
-    logprobs_mode: str | None = None
+    __slots__ = (
+        "rid", "input_ids", "output_ids", "logp", "runs", "finish_reason", "weight_version",
+        "entropy_lower", "entropy_tail", "entropy_source", "created", "engine", "sampling",
+        "logprobs_mode",
+    )  # fmt: skip
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        rid: str,
+        input_ids: Any,
+        output_ids: Any,
+        logp: Any,
+        versions: Sequence[str | None] | None = None,
+        finish_reason: str | None = None,
+        weight_version: str | None = None,
+        entropy_lower: Any = None,
+        entropy_tail: Any = None,
+        entropy_source: str | None = None,
+        created: float | None = None,
+        engine: str = "sglang",
+        sampling: dict[str, Any] | None = None,
+        logprobs_mode: str | None = None,
+        *,
+        runs: tuple[tuple[str | None, int], ...] | None = None,
+    ) -> None:
+        self.rid = rid
+        self.input_ids = None if input_ids is None else _ids(input_ids)
+        self.output_ids = _ids(output_ids)
+        self.logp: np.ndarray = np.ascontiguousarray(logp, dtype=np.float64)
+        self.runs = runs_from_versions(versions or ()) if runs is None else runs
+        self.finish_reason, self.weight_version = finish_reason, weight_version
+        self.entropy_lower, self.entropy_tail = _floats(entropy_lower), _floats(entropy_tail)
+        self.entropy_source = entropy_source
+        self.created = time.time() if created is None else created
+        self.engine, self.sampling, self.logprobs_mode = engine, sampling, logprobs_mode
         n = len(self.output_ids)
-        for name in ("logp", "versions", "entropy_lower", "entropy_tail"):
+        if sum(c for _, c in self.runs) != n:
+            raise ValueError(f"RolloutRecord {rid!r}: versions do not cover {n} tokens")
+        for name in ("logp", "entropy_lower", "entropy_tail"):
             value = getattr(self, name)
             if value is not None and len(value) != n:
                 raise ValueError(
-                    f"RolloutRecord {self.rid!r}: {name} has {len(value)} entries, "
-                    f"output_ids has {n}"
+                    f"RolloutRecord {rid!r}: {name} has {len(value)} entries, output_ids has {n}"
                 )
 
     @property
     def num_tokens(self) -> int:
         return len(self.output_ids)
 
+    @property
+    def versions(self) -> tuple[str | None, ...]:
+        """The weight-version label of each output token."""
+        return versions_from_runs(self.runs)
+
     def versions_as_int(self) -> list[int] | None:
         """Per-token versions as ints when every label is an integer (``"7"``, ``"step-7"``)."""
         out: list[int] = []
-        for label in self.versions:
+        for label, count in self.runs:
             value = version_as_int(label)
             if value is None:
                 return None
-            out.append(value)
+            out += [value] * count
         return out
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key, value in d.items():
-            if isinstance(value, tuple):
-                d[key] = list(value)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RolloutRecord:
-        return cls(
-            rid=str(d["rid"]),
-            input_ids=_ints(d.get("input_ids")),
-            output_ids=_ints(d["output_ids"]) or (),
-            logp=_floats(d["logp"]) or (),
-            versions=tuple(d["versions"]),
-            finish_reason=d.get("finish_reason"),
-            weight_version=d.get("weight_version"),
-            entropy_lower=_floats(d.get("entropy_lower")),
-            entropy_tail=_floats(d.get("entropy_tail")),
-            entropy_source=d.get("entropy_source"),
-            created=float(d.get("created", time.time())),
-            engine=str(d.get("engine", "sglang")),
-            sampling=d.get("sampling"),
-            logprobs_mode=d.get("logprobs_mode"),
-        )
-
-
-# What one held record costs beyond its arrays: the object, its arrays' headers, the store's
-# index entries. Measured with tracemalloc on 4,096-token records (see tests/unit/test_capture).
-HELD_OVERHEAD_BYTES = 1024
-
-
-def _tuple(values: np.ndarray | None) -> tuple[float, ...] | None:
-    return None if values is None else tuple(values.tolist())
-
-
-def _compact_ids(ids: np.ndarray) -> np.ndarray:
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
-        return ids
-    return ids.astype(np.int32)
-
-
-@dataclass(frozen=True, eq=False)
-class HeldRecord:
-    """A `RolloutRecord` as the capture store holds it: arrays and version runs, no per-token
-    Python objects (28 bytes per output token with entropy bounds, 4 per prompt token).
-
-    ``runs`` is the per-token version labels run-length encoded: ``((label, count), ...)``
-    whose counts sum to the number of output tokens."""
-
-    rid: str
-    input_ids: np.ndarray | None
-    output_ids: np.ndarray
-    logp: np.ndarray
-    runs: tuple[tuple[str | None, int], ...]
-    finish_reason: str | None
-    weight_version: str | None
-    entropy_lower: np.ndarray | None = None
-    entropy_tail: np.ndarray | None = None
-    entropy_source: str | None = None
-    created: float = field(default_factory=time.time)
-    engine: str = "sglang"
-    sampling: dict[str, Any] | None = None
-    logprobs_mode: str | None = None
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        rid: str,
-        input_ids: np.ndarray | None,
-        output_ids: np.ndarray,
-        logp: np.ndarray,
-        runs: tuple[tuple[str | None, int], ...],
-        finish_reason: str | None,
-        weight_version: str | None,
-        entropy_lower: np.ndarray | None = None,
-        entropy_tail: np.ndarray | None = None,
-        entropy_source: str | None = None,
-    ) -> HeldRecord:
-        n = len(output_ids)
-        if sum(c for _, c in runs) != n:
-            raise ValueError(f"HeldRecord {rid!r}: version runs do not cover {n} tokens")
-        for name, arr in (("logp", logp), ("entropy_lower", entropy_lower)):
-            if arr is not None and len(arr) != n:
-                raise ValueError(f"HeldRecord {rid!r}: {name} has {len(arr)} entries, not {n}")
-        if entropy_tail is not None and len(entropy_tail) != n:
-            raise ValueError(f"HeldRecord {rid!r}: entropy_tail has {len(entropy_tail)} entries")
-        return cls(
-            rid=rid,
-            input_ids=None if input_ids is None else _compact_ids(input_ids),
-            output_ids=_compact_ids(output_ids),
-            logp=np.ascontiguousarray(logp, dtype=np.float64),
-            runs=runs,
-            finish_reason=finish_reason,
-            weight_version=weight_version,
-            entropy_lower=None if entropy_lower is None else np.asarray(entropy_lower, np.float64),
-            entropy_tail=None if entropy_tail is None else np.asarray(entropy_tail, np.float64),
-            entropy_source=entropy_source,
-        )
-
-    @classmethod
-    def pack(cls, rec: RolloutRecord) -> HeldRecord:
-        held = cls.build(
-            rid=rec.rid,
-            input_ids=None if rec.input_ids is None else np.array(rec.input_ids, np.int64),
-            output_ids=np.array(rec.output_ids, dtype=np.int64),
-            logp=np.array(rec.logp, dtype=np.float64),
-            runs=runs_from_versions(rec.versions),
-            finish_reason=rec.finish_reason,
-            weight_version=rec.weight_version,
-            entropy_lower=None if rec.entropy_lower is None else np.array(rec.entropy_lower),
-            entropy_tail=None if rec.entropy_tail is None else np.array(rec.entropy_tail),
-            entropy_source=rec.entropy_source,
-        )
-        object.__setattr__(held, "created", rec.created)
-        object.__setattr__(held, "engine", rec.engine)
-        object.__setattr__(held, "sampling", rec.sampling)
-        object.__setattr__(held, "logprobs_mode", rec.logprobs_mode)
-        return held
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.output_ids)
 
     @property
     def nbytes(self) -> int:
@@ -342,20 +258,35 @@ class HeldRecord:
         """The output ids as int64 bytes: equal keys mean equal token sequences."""
         return self.output_ids.astype(np.int64).tobytes()
 
-    def unpack(self) -> RolloutRecord:
-        return RolloutRecord(
-            rid=self.rid,
-            input_ids=None if self.input_ids is None else tuple(self.input_ids.tolist()),
-            output_ids=tuple(self.output_ids.tolist()),
-            logp=tuple(self.logp.tolist()),
-            versions=versions_from_runs(self.runs),
-            finish_reason=self.finish_reason,
-            weight_version=self.weight_version,
-            entropy_lower=_tuple(self.entropy_lower),
-            entropy_tail=_tuple(self.entropy_tail),
-            entropy_source=self.entropy_source,
-            created=self.created,
-            engine=self.engine,
-            sampling=self.sampling,
-            logprobs_mode=self.logprobs_mode,
-        )
+    def to_dict(self) -> dict[str, Any]:
+        """The record as JSON-ready lists, one entry per token."""
+        return {
+            "rid": self.rid,
+            "input_ids": _list(self.input_ids),
+            "output_ids": self.output_ids.tolist(),
+            "logp": self.logp.tolist(),
+            "versions": list(self.versions),
+            "finish_reason": self.finish_reason,
+            "weight_version": self.weight_version,
+            "entropy_lower": _list(self.entropy_lower),
+            "entropy_tail": _list(self.entropy_tail),
+            "entropy_source": self.entropy_source,
+            "created": self.created,
+            "engine": self.engine,
+            "sampling": self.sampling,
+            "logprobs_mode": self.logprobs_mode,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RolloutRecord:
+        """Inverse of `to_dict`."""
+        keys = [k for k in cls.__slots__ if k != "runs"] + ["versions"]
+        return cls(**{k: d[k] for k in keys if k in d} | {"input_ids": d.get("input_ids")})
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RolloutRecord) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RolloutRecord(rid={self.rid!r}, {self.num_tokens} tokens, {self.engine})"

@@ -113,9 +113,9 @@ def records(proxy: str) -> dict[str, RolloutRecord]:
 
 def check_record(rec: RolloutRecord, prompt: list[int], *, topk: bool = True) -> None:
     """μ, ids and entropy bounds against the stand-in's exact model (float64)."""
-    assert rec.input_ids == tuple(prompt)
+    assert rec.input_ids is not None and rec.input_ids.tolist() == prompt
     assert len(rec.output_ids) == len(rec.logp) > 0
-    ids = list(rec.output_ids)
+    ids = rec.output_ids.tolist()
     for t, tok in enumerate(ids):
         dist = fake.distribution(prompt + ids[:t])
         assert rec.logp[t] == pytest.approx(dist[tok], abs=1e-12)

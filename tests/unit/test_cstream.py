@@ -239,8 +239,8 @@ def test_captures_on_both_readers_give_the_same_records_and_refusals(
         return
     assert (c_errors > 0) == (f_errors > 0)  # both refuse the sample, or neither does
     if c_errors == 0:
-        assert [(r.output_ids, _bits(r.logp)) for r in c_records] == [
-            (r.output_ids, _bits(r.logp)) for r in f_records
+        assert [(r.output_ids.tolist(), _bits(r.logp)) for r in c_records] == [
+            (r.output_ids.tolist(), _bits(r.logp)) for r in f_records
         ]
 
 

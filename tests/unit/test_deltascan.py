@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from tests.helpers.readers import stream_reader  # noqa: F401
-from timwatch.sidecar.proxy.records import HeldRecord
+from timwatch.sidecar.proxy.records import RolloutRecord
 from timwatch.sidecar.proxy.sglang import stream as relay
 from timwatch.sidecar.proxy.sglang.answers import Capturer
 from timwatch.sidecar.proxy.sglang.wire import SampleState, plan_request
@@ -86,14 +86,14 @@ def _captured(reads: list[bytes]) -> tuple[list[Any], int]:
     order, and its wire errors."""
     plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
     assert plan is not None
-    got: list[HeldRecord] = []
+    got: list[RolloutRecord] = []
     counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
     feed = relay.stream_capture(Capturer(got.append, counters, None), plan)
     for part in reads:
         if part:
             feed(part)
     feed.close()
-    return [h.unpack() for h in got], counters["wire_errors"]
+    return got, counters["wire_errors"]
 
 
 def _bits(values: Any) -> list[int]:
@@ -102,8 +102,8 @@ def _bits(values: Any) -> list[int]:
 
 def _same_records(got: list[Any], want: list[Any]) -> None:
     """The same records, ids and log-prob bits (-0.0 and 0.0 differ), in commit order."""
-    assert [(r.output_ids, _bits(r.logp)) for r in got] == [
-        (r.output_ids, _bits(r.logp)) for r in want
+    assert [(r.output_ids.tolist(), _bits(r.logp)) for r in got] == [
+        (r.output_ids.tolist(), _bits(r.logp)) for r in want
     ]
 
 
@@ -162,7 +162,7 @@ def test_a_capture_that_fails_is_counted_and_stops_without_raising(
     raw = _stream(14, shift=3)
     plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
     assert plan is not None
-    got: list[HeldRecord] = []
+    got: list[RolloutRecord] = []
     counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
     cap = Capturer(got.append, counters, None)
     calls = []
@@ -200,7 +200,7 @@ def test_a_stream_fed_one_frame_per_read_equals_the_object_path(
     plan = plan_request({"input_ids": [1, 2, 3], "return_logprob": True, "stream": True}, None)
     assert plan is not None
     (want,) = _object_records(raw)
-    got: list[HeldRecord] = []
+    got: list[RolloutRecord] = []
     counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
     feed = relay.stream_capture(Capturer(got.append, counters, None), plan)
     frames = [f + b"\n\n" for f in raw.split(b"\n\n") if f]
@@ -212,8 +212,8 @@ def test_a_stream_fed_one_frame_per_read_equals_the_object_path(
     feed.close()
     feed.close()
     assert counters["wire_errors"] == 0
-    (rec,) = [h.unpack() for h in got]
-    assert rec.output_ids == want.output_ids
+    (rec,) = got
+    assert rec.output_ids.tolist() == want.output_ids.tolist()
     assert np.array_equal(np.asarray(rec.logp).view(np.int64), np.asarray(want.logp).view(np.int64))
 
 

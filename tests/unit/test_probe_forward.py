@@ -55,7 +55,7 @@ def test_parse_probe_answer_pairs_decode_prefill_and_bounds_entropy() -> None:
     prompt, ids = [4, 2, 9], [11, 3, 40, 5]
     rec = _record(prompt, ids, ["7"] * 4)
     result = parse_probe_answer(rec, _answer(prompt, ids, k=3))
-    assert result.same_version and result.logp_decode == rec.logp
+    assert result.same_version and result.logp_decode == tuple(rec.logp.tolist())
     assert result.entropy_prefill is not None
     for t, tok in enumerate(ids):
         dist = fake.prefill_distribution(prompt + ids[:t])

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 import tests.helpers.fake_sglang as fake
-from timwatch.sidecar.proxy.records import HeldRecord, RolloutRecord
+from timwatch.sidecar.proxy.records import RolloutRecord
 from timwatch.sidecar.proxy.sglang import stream as relay
 from timwatch.sidecar.proxy.sglang.answers import Capturer
 from timwatch.sidecar.proxy.sglang.stream import relay_stream
@@ -98,20 +98,20 @@ def test_relayed_stream_keeps_bytes_and_records(
     plan = plan_request(body, None)
     assert plan is not None and not plan.changed
     raw = _stream(plan.body, incremental)
-    got: list[HeldRecord] = []
+    got: list[RolloutRecord] = []
     counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
     cap = Capturer(got.append, counters, None)
     assert asyncio.run(_relay(cap, plan, _cuts(raw, how))) == raw
     assert counters["wire_errors"] == 0
     want = {r.rid: r for r in _object_records(raw)}
     assert len(want) == (2 if batch else 1)
-    have = {r.rid: r for r in (h.unpack() for h in got)}
+    have = {r.rid: r for r in got}
     assert have.keys() == want.keys()
     for rid, w in want.items():
         h = have[rid]
-        assert (h.output_ids, h.logp, h.finish_reason, h.versions) == (
-            w.output_ids,
-            w.logp,
+        assert (h.output_ids.tolist(), h.logp.tolist(), h.finish_reason, h.versions) == (
+            w.output_ids.tolist(),
+            w.logp.tolist(),
             w.finish_reason,
             w.versions,
         )
@@ -192,7 +192,7 @@ def test_chunked_upstream_relays_bytes_and_records_at_every_cut(incremental: boo
     cuts = sorted(
         {*range(chunk, size_line + 2), *range(data_end - 1, data_end + 4), 0, len(wire) - 3}
     )
-    got: list[HeldRecord] = []
+    got: list[RolloutRecord] = []
     counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
     cap = Capturer(got.append, counters, None)
     relayed = asyncio.run(_through_upstream(wire, cuts, plan, cap))
@@ -200,11 +200,10 @@ def test_chunked_upstream_relays_bytes_and_records_at_every_cut(incremental: boo
     assert counters["wire_errors"] == 0
     (want,) = _object_records(raw)
     assert len(got) == len(cuts)
-    for held in got:
-        h = held.unpack()
-        assert (h.output_ids, h.logp, h.finish_reason) == (
-            want.output_ids,
-            want.logp,
+    for h in got:
+        assert (h.output_ids.tolist(), h.logp.tolist(), h.finish_reason) == (
+            want.output_ids.tolist(),
+            want.logp.tolist(),
             want.finish_reason,
         )
 

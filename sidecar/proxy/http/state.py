@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from ..capture import CaptureStore
-from ..records import HeldRecord
+from ..records import RolloutRecord
 from .client import Upstream
 
 __all__ = ["DeferredCaptures", "ProxyState", "serving", "settle_captures"]
@@ -103,7 +103,7 @@ class ProxyState:
     def set_client(self, client: Upstream | None) -> None:
         self._client = client
 
-    def commit(self, record: HeldRecord) -> None:
+    def commit(self, record: RolloutRecord) -> None:
         self.capture.add(record)
 
 

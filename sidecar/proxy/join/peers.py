@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from ..capture import CaptureStore
-from ..records import RolloutRecord, runs_from_versions, versions_from_runs
+from ..records import RolloutRecord
 
 __all__ = ["TAKE_PATH", "PeerClient", "decode_records", "encode_records", "take_records"]
 
@@ -64,7 +64,7 @@ def encode_records(records: Sequence[tuple[int, RolloutRecord]]) -> bytes:
         head: dict[str, Any] = {"i": i, "rid": rec.rid, "n": rec.num_tokens}
         head["n_in"] = None if rec.input_ids is None else len(rec.input_ids)
         head["el"], head["et"] = rec.entropy_lower is not None, rec.entropy_tail is not None
-        head["runs"] = runs_from_versions(rec.versions)
+        head["runs"] = rec.runs
         head.update({k: getattr(rec, k) for k in _SCALARS})
         heads.append(head)
         chunks.append(np.asarray(rec.output_ids, "<i8").tobytes())
@@ -89,14 +89,14 @@ def decode_records(data: bytes) -> list[tuple[int, RolloutRecord]]:
     view, at = memoryview(data), _HEADER.size + size
     out: list[tuple[int, RolloutRecord]] = []
 
-    def take(count: int, dtype: str) -> tuple[Any, ...]:
+    def take(count: int, dtype: str) -> np.ndarray:
         nonlocal at
         end = at + 8 * count
         if end > len(data):
             raise ValueError("take answer truncated")
         arr = np.frombuffer(view[at:end], dtype=dtype)
         at = end
-        return tuple(arr.tolist())
+        return arr
 
     for h in heads:
         n = int(h["n"])
@@ -107,7 +107,7 @@ def decode_records(data: bytes) -> list[tuple[int, RolloutRecord]]:
             input_ids=input_ids,
             output_ids=output_ids,
             logp=logp,
-            versions=versions_from_runs(h["runs"]),
+            runs=tuple((label, int(count)) for label, count in h["runs"]),
             entropy_lower=take(n, "<f8") if h["el"] else None,
             entropy_tail=take(n, "<f8") if h["et"] else None,
             **{k: h[k] for k in _SCALARS},

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..native import cstream
-from ..records import HeldRecord
+from ..records import RolloutRecord
 from .fastwire import FastSample, NotFast, finished, restore
 from .wire import (
     RequestPlan,
@@ -36,7 +36,7 @@ class Capturer:
 
     def __init__(
         self,
-        commit: Callable[[HeldRecord], None],
+        commit: Callable[[RolloutRecord], None],
         counters: dict[str, int],
         vocab_size: int | None,
     ) -> None:
@@ -58,7 +58,7 @@ class Capturer:
         record = sample.record(
             out["meta_info"], fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
         )
-        self.commit(HeldRecord.pack(record))
+        self.commit(record)
 
 
 def answer_parts(

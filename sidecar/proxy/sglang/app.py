@@ -32,7 +32,7 @@ from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
 from ..http.forward import forward_planned, proxy_routes, relay
 from ..http.relay import ProxyApp
 from ..http.state import DeferredCaptures, ProxyState, serving
-from ..records import HeldRecord
+from ..records import RolloutRecord
 from .answers import Capturer, answer_parts
 from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
 from .stream import relay_stream, stream_capture
@@ -69,10 +69,10 @@ class SglangState(ProxyState):
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
         self.capturer = Capturer(self.commit, self.counters, vocab_size)
 
-    def commit(self, record: HeldRecord) -> None:
+    def commit(self, record: RolloutRecord) -> None:
         self.capture.add(record)
         if self.prober is not None and probe_selected(record.rid, self.probe_rate):
-            self.prober.maybe_probe(record.unpack())
+            self.prober.maybe_probe(record)
 
 
 async def _generate(request: Request) -> Response:

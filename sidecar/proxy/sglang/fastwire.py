@@ -27,7 +27,7 @@ import orjson
 
 from ....monitor.core.errors import NotFast
 from .. import native
-from ..records import HeldRecord, topk_entropy_bounds, version_runs
+from ..records import RolloutRecord, topk_entropy_bounds, version_runs
 from .keyspan import (
     _LB,
     Hole,
@@ -241,7 +241,7 @@ class FastSample:
         *,
         fallback_prompt: list[int] | None,
         vocab_size: int | None,
-    ) -> HeldRecord:
+    ) -> RolloutRecord:
         meta = _small_meta(last, self._hole_in(last))
         rid = meta.get("id")
         if not isinstance(rid, str):
@@ -261,7 +261,7 @@ class FastSample:
         if prompt is None and fallback_prompt is not None:
             prompt = np.array(fallback_prompt, dtype=np.int64)
         reason = meta.get("finish_reason")
-        return HeldRecord.build(
+        return RolloutRecord(
             rid=rid,
             input_ids=prompt,
             output_ids=ids,

@@ -97,8 +97,8 @@ def parse_probe_answer(record: RolloutRecord, answer: Any) -> ProbeResult:
     ids, logps = parse_logprob_triples(
         meta.get("input_token_logprobs"), "meta_info.input_token_logprobs"
     )
-    prompt = record.input_ids or ()
-    expected = list(prompt) + list(record.output_ids)
+    prompt = [] if record.input_ids is None else record.input_ids.tolist()
+    expected = prompt + record.output_ids.tolist()
     if ids != expected:
         first = next(
             (i for i, (a, b) in enumerate(zip(ids, expected, strict=False)) if a != b),
@@ -116,8 +116,8 @@ def parse_probe_answer(record: RolloutRecord, answer: Any) -> ProbeResult:
     wv = meta.get("weight_version")
     return ProbeResult(
         rid=record.rid,
-        output_ids=record.output_ids,
-        logp_decode=record.logp,
+        output_ids=tuple(record.output_ids.tolist()),
+        logp_decode=tuple(record.logp.tolist()),
         logp_prefill=tuple(float(lp) for lp in tail if lp is not None),
         versions=record.versions,
         prefill_weight_version=None if wv is None else str(wv),
@@ -179,7 +179,7 @@ class Prober:
 
     def maybe_probe(self, record: RolloutRecord) -> bool:
         """Start a probe for this record if it is selected and has its prompt ids."""
-        if not record.output_ids or record.input_ids is None or not record.input_ids:
+        if not record.num_tokens or record.input_ids is None or not len(record.input_ids):
             return False
         if not probe_selected(record.rid, self.rate):
             return False
@@ -194,8 +194,9 @@ class Prober:
         return True
 
     async def _run(self, record: RolloutRecord) -> None:
+        prompt = [] if record.input_ids is None else record.input_ids.tolist()
         body = {
-            "input_ids": list(record.input_ids or ()) + list(record.output_ids),
+            "input_ids": prompt + record.output_ids.tolist(),
             "sampling_params": {"max_new_tokens": 0},
             "return_logprob": True,
             "logprob_start_len": 0,

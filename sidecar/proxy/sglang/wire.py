@@ -38,7 +38,7 @@ from typing import Any
 import orjson
 
 from ....monitor.core.errors import WireError
-from ..records import RolloutRecord, topk_entropy_bounds, weight_spans
+from ..records import RolloutRecord, topk_entropy_bounds, version_runs
 
 __all__ = [
     "WireError",
@@ -46,7 +46,6 @@ __all__ = [
     "RequestPlan",
     "plan_request",
     "SampleState",
-    "versions_from_spans",
     "dumps",
     "loads",
     "is_finished",
@@ -232,17 +231,6 @@ def _top_rows(rows: Any, where: str) -> list[list[float | None] | None]:
     return out
 
 
-def versions_from_spans(spans: Any, num_tokens: int, default: str | None) -> list[str | None]:
-    """Per-token weight version from SGLang's ``weight_versions`` spans (end exclusive)."""
-    versions: list[str | None] = [default] * num_tokens
-    if spans is None:
-        return versions
-    for start, end, label in weight_spans(spans):
-        for t in range(start, min(end, num_tokens)):
-            versions[t] = label
-    return versions
-
-
 def finish_type(reason: Any) -> str | None:
     """SGLang's ``finish_reason`` (a dict with ``type``, a string or None) as its type name."""
     if reason is None:
@@ -346,22 +334,17 @@ class SampleState:
             raise WireError(f"meta_info.output_token_logprobs[{missing[0]}][0]: logprob is null")
         weight_version = meta.get("weight_version")
         weight_version = None if weight_version is None else str(weight_version)
-        versions = versions_from_spans(meta.get("weight_versions"), len(self.ids), weight_version)
-        lower: tuple[float, ...] | None = None
-        tail: tuple[float, ...] | None = None
-        source: str | None = None
+        lower = tail = source = None
         if self.tops is not None and self.ids and all(row for row in self.tops):
-            low, high = topk_entropy_bounds([r or [] for r in self.tops], vocab_size=vocab_size)
-            lower = tuple(low.tolist())
-            tail = None if high is None else tuple(high.tolist())
+            lower, tail = topk_entropy_bounds([r or [] for r in self.tops], vocab_size=vocab_size)
             source = "topk"
         prompt = self.prompt_ids if self.prompt_ids is not None else fallback_prompt
         return RolloutRecord(
             rid=rid,
-            input_ids=None if prompt is None else tuple(prompt),
-            output_ids=tuple(self.ids),
-            logp=tuple(float(lp) for lp in self.logps if lp is not None),
-            versions=tuple(versions),
+            input_ids=prompt,
+            output_ids=self.ids,
+            logp=self.logps,
+            runs=version_runs(meta.get("weight_versions"), len(self.ids), weight_version),
             finish_reason=finish_type(meta.get("finish_reason")),
             weight_version=weight_version,
             entropy_lower=lower,

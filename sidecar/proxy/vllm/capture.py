@@ -22,7 +22,7 @@ import numpy as np
 
 from ....monitor.core.errors import NotFast, WireError
 from ..http.sse import relay_frames
-from ..records import HeldRecord, version_runs
+from ..records import RolloutRecord, version_runs
 from .edit import (
     ChoicePart,
     VllmPlan,
@@ -50,7 +50,7 @@ class VllmCapturer:
     """Where finished samples go, with the engine's log-prob mode and the proxy's counters."""
 
     def __init__(
-        self, commit: Callable[[HeldRecord], None], counters: dict[str, int], logprobs_mode: str
+        self, commit: Callable[[RolloutRecord], None], counters: dict[str, int], logprobs_mode: str
     ) -> None:
         self.commit = commit
         self.counters = counters
@@ -74,7 +74,7 @@ class VllmCapturer:
     ) -> None:
         sampling = sampling_of(plan)
         n = len(ids)
-        held = HeldRecord.build(
+        record = RolloutRecord(
             rid=rid,
             input_ids=prompt,
             output_ids=ids,
@@ -82,10 +82,10 @@ class VllmCapturer:
             runs=version_runs(spans, n, version),
             finish_reason=part.finish_reason,
             weight_version=version,
+            engine="vllm",
+            sampling=sampling,
+            logprobs_mode=self.logprobs_mode,
         )
-        object.__setattr__(held, "engine", "vllm")
-        object.__setattr__(held, "sampling", sampling)
-        object.__setattr__(held, "logprobs_mode", self.logprobs_mode)
         impossible = int(np.count_nonzero(np.isneginf(logps)))
         self.counters["impossible_tokens"] += impossible
         if self.logprobs_mode == "raw_logprobs" and truncates(sampling):
@@ -100,7 +100,7 @@ class VllmCapturer:
                     "--logprobs-mode processed_logprobs)",
                     sampling,
                 )
-        self.commit(held)
+        self.commit(record)
 
 
 def _rid(info: dict[str, Any], part: ChoicePart, choices: int) -> str:
