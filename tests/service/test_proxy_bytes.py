@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 
@@ -88,8 +89,8 @@ def _sample(up: str, body: dict[str, Any], direct: bytes) -> tuple[list[int], li
         if frame.startswith(b"data: {"):
             state.offer(orjson.loads(frame[6:]))
     if state.pending is not None:
-        state.feed(state.pending, stream=True)
-    return state.ids, [float(x) for x in state.logps if x is not None]
+        state.add(state.pending())
+    return np.concatenate(state.ids).tolist(), np.concatenate(state.logps).tolist()
 
 
 def _same_rid(raw: bytes) -> bytes:

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 
@@ -144,8 +145,8 @@ def _object_record(sse: bytes) -> tuple[list[int], list[float]]:
         if frame.startswith(b"data: {"):
             state.offer(orjson.loads(frame[6:]))
     if state.pending is not None:
-        state.feed(state.pending, stream=True)
-    return state.ids, [float(x) for x in state.logps if x is not None]
+        state.add(state.pending())
+    return np.concatenate(state.ids).tolist(), np.concatenate(state.logps).tolist()
 
 
 def _counters(proxy: str) -> dict[str, Any]:

@@ -19,7 +19,15 @@ import pytest
 import tests.helpers.fake_sglang as fake
 from tests.helpers.readers import require_c
 from timwatch.sidecar.proxy.records import RolloutRecord
-from timwatch.sidecar.proxy.sglang.fastwire import FastSample, NotFast, finished, restore
+from timwatch.sidecar.proxy.sglang.fastwire import (
+    NotFast,
+    cumulative,
+    finished,
+    int_value,
+    read_bytes,
+    restore,
+    small_meta,
+)
 from timwatch.sidecar.proxy.sglang.wire import SampleState, dumps, plan_request
 
 TOPK = 5
@@ -82,16 +90,21 @@ def test_byte_path_equals_object_path(client: str, mode: str, writer: str, switc
     assert plan is not None
     write = orjson.dumps if writer == "orjson" else fake._dumps
     chunks = [write(c) for c in _answers(plan.body, mode == "incremental", switch)]
-    fast, slow = FastSample(), SampleState()
+    fast, slow = SampleState(), SampleState()
     for raw in chunks:
         obj = orjson.loads(raw)
         last = obj["meta_info"]["finish_reason"] is not None
         assert finished(raw) == last
         if mode == "answer":
-            fast.take_answer(raw)
+            fast.add(read_bytes(raw)[0], stream=False)
             slow.feed(obj, stream=False)
         else:
-            fast.offer(raw, last=last)
+            total = int_value(raw, b"output_token_logprobs_length")
+            assert total is not None
+            if not last and cumulative(raw, total, total - fast.total):
+                fast.hold(lambda raw=raw: read_bytes(raw)[0], total)
+            else:
+                fast.add(read_bytes(raw)[0])
             slow.offer(obj)
         plan.restore(obj, 0)
         restored = restore(raw, plan, 0)
@@ -101,7 +114,11 @@ def test_byte_path_equals_object_path(client: str, mode: str, writer: str, switc
             assert orjson.loads(restored) == obj
     meta = orjson.loads(chunks[-1])["meta_info"]
     want = slow.record(meta, fallback_prompt=None, vocab_size=fake.VOCAB)
-    got = fast.record(chunks[-1], fallback_prompt=None, vocab_size=fake.VOCAB)
+    got = fast.record(
+        small_meta(chunks[-1], read_bytes(chunks[-1])[1]),
+        fallback_prompt=None,
+        vocab_size=fake.VOCAB,
+    )
     _same(got, want)
     assert got.nbytes == want.nbytes
 
@@ -134,7 +151,7 @@ def test_refuses_what_it_cannot_read_exactly(meta: dict[str, Any]) -> None:
     meta["output_token_logprobs_length"] = 2
     raw = orjson.dumps({"text": "ab", "output_ids": [3, 4], "meta_info": meta})
     with pytest.raises(NotFast):
-        FastSample().take_answer(raw)
+        read_bytes(raw)
 
 
 def test_record_costs_under_40_bytes_per_token() -> None:

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from tests.helpers.readers import require_c
 from timwatch.sidecar.proxy import native
 from timwatch.sidecar.proxy.sglang import fastwire
-from timwatch.sidecar.proxy.sglang.fastwire import FastSample, value_span
+from timwatch.sidecar.proxy.sglang.fastwire import value_span
+from timwatch.sidecar.proxy.sglang.wire import SampleState
 
 TINY = sys.float_info.min  # the smallest normal double
 _JSON_NUMBER = re.compile(rb"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
@@ -190,21 +191,22 @@ def test_answer_read_with_the_hole_equals_the_full_search(prompt: bool) -> None:
     finds."""
     logps = [-0.5, -1.25, -3.0]
     buf = _answer(logps, prompt)
-    sample = FastSample()
-    sample.take_answer(buf)
-    hole = sample._hole_in(buf)
+    chunk, hole = fastwire.read_bytes(buf)
     assert hole is not None and buf[hole[0] : hole[1]].startswith(b"[[")
     for key in fastwire._BULK_KEYS + (b"output_token_logprobs_length", b"absent"):
         assert value_span(buf, key, hole=hole) == value_span(buf, key)
-    record = sample.record(buf, fallback_prompt=[9], vocab_size=None)
+    sample = SampleState()
+    sample.add(chunk, stream=False)
+    meta = fastwire.small_meta(buf, hole)
+    assert meta == fastwire.small_meta(buf)
+    record = sample.record(meta, fallback_prompt=[9], vocab_size=None)
     assert _bits(record.logp) == _bits(np.array(logps))
     assert record.output_ids.tolist() == [5, 6, 7]
     assert record.input_ids is not None
     assert record.input_ids.tolist() == ([1, 2, 3] if prompt else [9])
     assert (record.rid, record.finish_reason, record.runs) == ("r1", "length", (("default", 3),))
-    assert sample._hole_in(bytes(bytearray(buf))) is None  # another buffer: searched whole
 
 
 def test_an_answer_with_a_subnormal_is_refused_for_the_object_path() -> None:
     with pytest.raises(fastwire.NotFast):
-        FastSample().take_answer(_answer([-0.5, 5e-324, -1.0], True))
+        fastwire.read_bytes(_answer([-0.5, 5e-324, -1.0], True))

@@ -10,12 +10,12 @@ give the client the same bytes and the same records.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..native import cstream
 from ..records import RolloutRecord
-from .fastwire import FastSample, NotFast, finished, restore
+from .fastwire import NotFast, finished, read_bytes, restore, small_meta
 from .wire import (
     RequestPlan,
     SampleState,
@@ -52,11 +52,12 @@ class Capturer:
         prompts = plan.client_input_ids
         return prompts[plan.prompt_index(idx)] if prompts else None
 
-    def commit_state(
-        self, sample: SampleState, out: dict[str, Any], plan: RequestPlan, idx: int
+    def finish(
+        self, sample: SampleState, meta: Mapping[str, Any], plan: RequestPlan, idx: int
     ) -> None:
+        """Commit a finished sample; ``meta`` is its last chunk's ``meta_info``."""
         record = sample.record(
-            out["meta_info"], fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
+            meta, fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
         )
         self.commit(record)
 
@@ -77,18 +78,21 @@ def answer_parts(
         return client, None
 
     def capture() -> None:
-        sample = FastSample()
         try:
-            sample.take_answer(content)
-            record = sample.record(
-                content, fallback_prompt=cap.fallback(plan, 0), vocab_size=cap.vocab_size
-            )
+            chunk, hole = read_bytes(content)
+            meta = small_meta(content, hole)
         except NotFast:
             _answer_objects(cap, plan, content)
+            return
         except (WireError, ValueError) as exc:
             cap.wire_error("answer 0", exc)
-        else:
-            cap.commit(record)
+            return
+        sample = SampleState()
+        try:
+            sample.add(chunk, stream=False)
+            cap.finish(sample, meta, plan, 0)
+        except (WireError, ValueError) as exc:
+            cap.wire_error("answer 0", exc)
 
     return client, capture
 
@@ -108,7 +112,7 @@ def _answer_objects(cap: Capturer, plan: RequestPlan, content: bytes) -> bytes:
             if is_finished(out):
                 sample = SampleState()
                 sample.feed(out, stream=False)
-                cap.commit_state(sample, out, plan, idx)
+                cap.finish(sample, out["meta_info"], plan, idx)
         except (WireError, ValueError) as exc:
             cap.wire_error(f"answer {idx}", exc)
         plan.restore(out, idx)

@@ -13,13 +13,13 @@ compact JSON SGLang writes instead, and runs only where the C reader is built (`
   shape, a number it does not convert exactly) is `NotFast`. The top-k rows and the prompt's
   ids (small, or asked for only with ``--topk``) are read by orjson from their spans.
 
-A non-streamed answer or a stream chunk for one sample is captured by `FastSample`; `restore`
-cuts what the proxy added out of the bytes. Both refuse anything they cannot do exactly.
+`read_bytes` reads a non-streamed answer or a stream chunk into the `wire.Chunk` that the
+sample (`wire.SampleState`) takes from either path; `restore` cuts what the proxy added out of
+the bytes. Both refuse anything they cannot do exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,19 +27,20 @@ import orjson
 
 from ....monitor.core.errors import NotFast
 from .. import native
-from ..records import RolloutRecord, topk_entropy_bounds, version_runs
-from .keyspan import (
-    _LB,
-    Hole,
-    _int_value,
-    _u8,
-    finished,
-    stream_index,
-    value_span,
-)
-from .wire import RequestPlan, SampleState, WireError, finish_type
+from .keyspan import _LB, Hole, _u8, finished, int_value, stream_index, value_span
+from .wire import Chunk, RequestPlan, WireError
 
-__all__ = ["NotFast", "FastSample", "restore", "finished", "value_span", "stream_index"]
+__all__ = [
+    "NotFast",
+    "cumulative",
+    "finished",
+    "int_value",
+    "read_bytes",
+    "restore",
+    "small_meta",
+    "stream_index",
+    "value_span",
+]
 
 # The logprob-bearing keys SGLang writes into meta_info (sglang_wire._LOGPROB_PREFIXES).
 _LOGPROB_KEYS = (
@@ -96,195 +97,45 @@ def _top_logps(buf: bytes, n: int, hole: Hole = None) -> np.ndarray | None:
 MIN_TRIPLE, MAX_TRIPLE = 10, 52
 
 
-@dataclass
-class FastSample:
-    """One sample's arrays over stream chunks (cumulative or incremental) or one answer.
-
-    Mirrors `sglang_wire.SampleState`: a chunk whose list is as long as
-    ``output_token_logprobs_length`` replaces what came before (cumulative; kept by reference
-    and only read if a delta or the last chunk needs it), a shorter one extends it."""
-
-    ids: list[np.ndarray] = field(default_factory=list)
-    logps: list[np.ndarray] = field(default_factory=list)
-    tops: list[np.ndarray] | None = None
-    n: int = 0
-    total: int = 0
-    prompt: np.ndarray | None = None
-    pending: bytes | None = None
-    # a cumulative chunk held as (read buffer, start, end), cut out only if it is ever read
-    lazy: tuple[bytes, int, int] | None = None
-    # the answer `take_answer` read and its log-prob list's span, skipped by key searches
-    hole: tuple[bytes, int, int] | None = field(default=None, repr=False)
-
-    def offer(self, frame: bytes, *, last: bool) -> None:
-        total = _int_value(frame, b"output_token_logprobs_length")
-        if total is None:
-            raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
-        prev, self.total = self.total, total
-        if not last and self._cumulative(frame, total, total - prev):
-            self.pending, self.lazy = frame, None
-            return
-        ids, logps, top = self._parse(frame)
-        self._keep_chunk(ids, logps, top, total)
-        self._prompt(frame)
-
-    def hold(self, buf: bytes, lo: int, hi: int, total: int) -> None:
-        """An unfinished chunk ``buf[lo:hi]`` the caller found to hold all ``total`` tokens
-        so far (`offer` with a cumulative chunk, without copying it out of ``buf``)."""
-        self.total, self.pending, self.lazy = total, None, (buf, lo, hi)
-
-    def offer_delta(self, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
-        """An unfinished chunk already read (by `native.scan_deltas`): same rules as `offer`."""
-        self.total = total
-        self._keep_chunk(ids, logps, None, total)
-
-    def _keep_chunk(
-        self, ids: np.ndarray, logps: np.ndarray, top: np.ndarray | None, total: int
-    ) -> None:
-        """Keep one chunk's tokens: a whole (cumulative) chunk replaces what was held, a delta
-        extends it; a cumulative chunk held back unparsed is read first when a delta follows."""
-        if len(ids) != total and self.lazy is not None:
-            buf, lo, hi = self.lazy
-            self.pending = buf[lo:hi]
-        if len(ids) != total and self.pending is not None:
-            self._keep(*self._parse(self.pending), delta=False)
-        self.pending = self.lazy = None
-        delta = self.n > 0 and len(ids) != total
-        if delta and self.n + len(ids) != total:
-            raise WireError(
-                f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
-                f"{len(ids)} tokens nor {self.n} seen + {len(ids)}"
-            )
-        self._keep(ids, logps, top, delta=delta)
-
-    def to_objects(self) -> SampleState:
-        """What this sample holds so far, as the object path holds it: a chunk this path
-        refuses mid-stream goes on there (`SampleState.offer`), with the tokens read before."""
-        state = SampleState()
-        if self.n:
-            state.ids = np.concatenate(self.ids).tolist()
-            state.logps = np.concatenate(self.logps).tolist()
-        if self.tops is not None:
-            state.tops = [row for rows in self.tops for row in rows.tolist()]
-        if self.prompt is not None:
-            state.prompt_ids = self.prompt.tolist()
-        pending = self.pending
-        if self.lazy is not None:
-            buf, lo, hi = self.lazy
-            pending = buf[lo:hi]
-        if pending is not None:
-            out = orjson.loads(pending)
-            state.pending = {
-                "meta_info": dict(out["meta_info"]),
-                "prompt_token_ids": out.get("prompt_token_ids"),
-            }
-        return state
-
-    def take_answer(self, answer: bytes) -> None:
-        ids, logps, top, hole = _read(answer)
-        self._keep(ids, logps, top, delta=False)
-        self.hole = (answer, *hole)
-        self._prompt(answer)
-
-    def _hole_in(self, buf: bytes) -> Hole:
-        return self.hole[1:] if self.hole is not None and self.hole[0] is buf else None
-
-    @staticmethod
-    def _cumulative(frame: bytes, total: int, delta: int) -> bool:
-        """Whether a chunk holds all ``total`` tokens so far (else only the ``delta`` new ones),
-        from its list's byte length where that decides it, else by counting triples."""
-        if delta == total:
-            return True  # the first chunk: both readings agree
-        span = value_span(frame, b"output_token_logprobs", check=False)
-        if span is None:
-            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
-        length = span[2] - span[1]
-        if length < MIN_TRIPLE * total:
-            return False
-        if length > MAX_TRIPLE * delta + 2:
-            return True
-        arr = _u8(frame)[span[1] : span[2]]
-        return int(np.count_nonzero(arr == _LB)) - 1 == total
-
-    @staticmethod
-    def _parse(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        return _read(buf)[:3]
-
-    def _keep(
-        self, ids: np.ndarray, logps: np.ndarray, top: np.ndarray | None, *, delta: bool
-    ) -> None:
-        if not delta:
-            self.ids, self.logps, self.n = [], [], 0
-            if top is not None:
-                self.tops = []
-        self.ids.append(ids)
-        self.logps.append(logps)
-        self.n += len(ids)
-        if top is not None:
-            self.tops = (self.tops or []) + [top]
-
-    def _prompt(self, buf: bytes) -> None:
-        span = value_span(buf, b"prompt_token_ids", hole=self._hole_in(buf))
-        if span is None:
-            return
+def read_bytes(buf: bytes) -> tuple[Chunk, Hole]:
+    """The byte path's reader: one answer or chunk's ids, log-probs, top-k rows, prompt ids and
+    total, and the `Hole` of its log-prob list (skipped by later key searches)."""
+    got = _triples(buf, b"output_token_logprobs")
+    if got is None:
+        raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+    ids, logps, hole = got
+    top = _top_logps(buf, len(ids), hole)
+    span = value_span(buf, b"prompt_token_ids", hole=hole)
+    prompt = None
+    if span is not None:
         try:
             values = np.array(orjson.loads(buf[span[1] : span[2]]))
         except (orjson.JSONDecodeError, ValueError):
             raise NotFast("prompt_token_ids: not a list of ints") from None
         if values.ndim != 1 or (values.size and values.dtype.kind != "i"):
             raise NotFast("prompt_token_ids: not a list of ints")
-        self.prompt = values.astype(np.int64)
-
-    def record(
-        self,
-        last: bytes,
-        *,
-        fallback_prompt: list[int] | None,
-        vocab_size: int | None,
-    ) -> RolloutRecord:
-        meta = _small_meta(last, self._hole_in(last))
-        rid = meta.get("id")
-        if not isinstance(rid, str):
-            raise WireError(f"meta_info.id: expected a string, got {rid!r}")
-        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, np.int64)
-        logp = np.concatenate(self.logps) if self.logps else np.zeros(0)
-        wv = meta.get("weight_version")
-        wv = None if wv is None else str(wv)
-        lower = tail = None
-        source = None
-        if self.tops is not None and self.n:
-            tops = np.concatenate(self.tops)
-            if tops.shape == (self.n, tops.shape[1]) and tops.shape[1] > 0:
-                lower, tail = topk_entropy_bounds(tops, vocab_size=vocab_size)
-                source = "topk"
-        prompt = self.prompt
-        if prompt is None and fallback_prompt is not None:
-            prompt = np.array(fallback_prompt, dtype=np.int64)
-        reason = meta.get("finish_reason")
-        return RolloutRecord(
-            rid=rid,
-            input_ids=prompt,
-            output_ids=ids,
-            logp=logp,
-            runs=version_runs(meta.get("weight_versions"), self.n, wv),
-            finish_reason=finish_type(reason),
-            weight_version=wv,
-            entropy_lower=lower,
-            entropy_tail=tail,
-            entropy_source=source,
-        )
+        prompt = values.astype(np.int64)
+    return Chunk(ids, logps, top, int_value(buf, b"output_token_logprobs_length"), prompt), hole
 
 
-def _read(buf: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[int, int]]:
-    """Ids, log-probs, top-k rows and the `Hole` of ``output_token_logprobs``."""
-    got = _triples(buf, b"output_token_logprobs")
-    if got is None:
+def cumulative(frame: bytes, total: int, delta: int) -> bool:
+    """Whether an unfinished chunk holds all ``total`` tokens so far (else only the ``delta``
+    new ones), from its list's byte length where that decides it, else by counting triples."""
+    if delta == total:
+        return True  # the first chunk: both readings agree
+    span = value_span(frame, b"output_token_logprobs", check=False)
+    if span is None:
         raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
-    ids, logps, hole = got
-    return ids, logps, _top_logps(buf, len(ids), hole), hole
+    length = span[2] - span[1]
+    if length < MIN_TRIPLE * total:
+        return False
+    if length > MAX_TRIPLE * delta + 2:
+        return True
+    arr = _u8(frame)[span[1] : span[2]]
+    return int(np.count_nonzero(arr == _LB)) - 1 == total
 
 
-def _small_meta(buf: bytes, hole: Hole = None) -> dict[str, Any]:
+def small_meta(buf: bytes, hole: Hole = None) -> dict[str, Any]:
     """``meta_info`` of one sample with its bulk lists cut out, parsed."""
     cuts = sorted(s for key in _BULK_KEYS if (s := value_span(buf, key, hole=hole)) is not None)
     parts, at = [], 0

@@ -15,7 +15,7 @@ import numpy as np
 
 from ....monitor.core.errors import NotFast
 
-__all__ = ["Hole", "value_span", "finished", "stream_index"]
+__all__ = ["Hole", "value_span", "finished", "int_value", "stream_index"]
 
 _LB, _RB, _COMMA = 91, 93, 44
 
@@ -95,7 +95,7 @@ def stream_index(frame: bytes) -> int:
         raise NotFast("index is not an int") from None
 
 
-def _int_value(buf: bytes, key: bytes) -> int | None:
+def int_value(buf: bytes, key: bytes) -> int | None:
     span = value_span(buf, key, check=False)
     if span is None:
         return None

@@ -5,7 +5,8 @@ Where the C reader is built (`native`), runs of one sample's small delta frames 
 that path refuses (token text in the log-probs, a number it does not convert exactly, SGLang
 before 0.5.3) takes the object path (`proxy.sglang.wire`, orjson on the whole frame), which
 is also the only path without the C reader. Both give the client the same bytes and the same
-records; a sample refused mid-stream goes on on the object path with what it held.
+records: either path's reads of a sample go to its one `wire.SampleState`, so a sample refused
+mid-stream goes on on the object path with what it held.
 Non-streamed answers: `proxy.sglang.answers`.
 
 Streams are cut into ``data: ...\\n\\n`` frames as bytes arrive, searching only the bytes not
@@ -26,19 +27,24 @@ from .answers import Capturer
 from .fastwire import (
     MAX_TRIPLE,
     MIN_TRIPLE,
-    FastSample,
     NotFast,
+    cumulative,
     finished,
+    int_value,
+    read_bytes,
     restore,
+    small_meta,
     stream_index,
 )
 from .wire import (
+    Chunk,
     RequestPlan,
     SampleState,
     WireError,
     dumps,
     is_finished,
     loads,
+    read_object,
 )
 
 __all__ = ["BATCH_BYTES", "StreamReads", "relay_stream", "stream_capture"]
@@ -54,13 +60,22 @@ _SMALL_FRAME = 4096
 BATCH_BYTES = 64 << 10
 
 
+def _read_held(payload: bytes) -> Chunk:
+    """A held cumulative chunk read when it is needed: on its bytes, else as objects."""
+    try:
+        return read_bytes(payload)[0]
+    except NotFast:
+        return read_object(loads(payload))
+
+
 class _Stream:
-    """The samples of one streamed request, each on the byte path or the object path."""
+    """The samples of one streamed request. Each chunk is read on its bytes (`fastwire`) or, once
+    that path refused one of a sample's chunks, as objects (`wire.read_object`); either way it
+    goes to the sample's one `SampleState`."""
 
     def __init__(self, cap: Capturer, plan: RequestPlan) -> None:
         self.cap, self.plan = cap, plan
-        self.fast: dict[int, FastSample] = {}
-        self.slow: dict[int, SampleState] = {}
+        self.samples: dict[int, SampleState] = {}
         self.on_objects: set[int] = set()
         self.indexed: bool | None = None  # whether its chunks carry "index" (batch requests)
 
@@ -69,10 +84,10 @@ class _Stream:
         one sample of a request seen before on the byte path; False: read it with `frame`.
 
         Finds only ``finish_reason`` (near the start), the list and the total (near the end)
-        and decides by the list's byte length as `FastSample` does; anything it cannot decide
-        that way, and any request whose first chunk read whole had an ``index``, goes to
-        `frame`, which reads the chunk whole."""
-        sample = self.fast.get(0)
+        and decides by the list's byte length as `fastwire.cumulative` does; anything it cannot
+        decide that way, and any request whose first chunk read whole had an ``index``, goes
+        to `frame`, which reads the chunk whole."""
+        sample = self.samples.get(0)
         if sample is None or self.indexed is not False or self.on_objects:
             return False
         if not buf.startswith(b"data: {", start):
@@ -97,42 +112,19 @@ class _Stream:
             length >= MIN_TRIPLE * total and length > MAX_TRIPLE * delta + 2
         ):
             return False
-        sample.hold(buf, start + 6, end - 2, total)
+        sample.hold(lambda: _read_held(buf[start + 6 : end - 2]), total)
         return True
 
     def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
         """An unfinished chunk the C delta scan read (`_read_small`: an unchanged request's
-        stream). A sample on the object path (the byte path refused one of its chunks: a number
-        the C parse does not convert exactly) takes it there."""
-        if idx not in self.on_objects:
-            sample = self.fast.get(idx)
-            if sample is None:
-                sample = self.fast[idx] = FastSample()
-            try:
-                sample.offer_delta(ids, logps, total)
-                return
-            except NotFast as exc:
-                self.fast.pop(idx, None)
-                self.on_objects.add(idx)
-                try:
-                    self.slow[idx] = sample.to_objects()
-                except (ValueError, KeyError, TypeError):
-                    self.cap.wire_error(f"stream sample {idx}", exc)
-                    return
-            except (WireError, ValueError) as exc:
-                self.fast.pop(idx, None)
-                self.cap.wire_error(f"stream sample {idx}", exc)
-                return
-        triples = [[lp, tid, None] for lp, tid in zip(logps.tolist(), ids.tolist(), strict=True)]
-        meta = {
-            "finish_reason": None,
-            "output_token_logprobs": triples,
-            "output_token_logprobs_length": total,
-        }
+        stream)."""
+        sample = self.samples.get(idx)
+        if sample is None:
+            sample = self.samples[idx] = SampleState()
         try:
-            self.slow.setdefault(idx, SampleState()).offer({"meta_info": meta})
+            sample.add(Chunk(ids, logps, None, total))
         except (WireError, ValueError) as exc:
-            self.slow.pop(idx, None)
+            self.samples.pop(idx, None)
             self.cap.wire_error(f"stream sample {idx}", exc)
 
     def frame(self, frame: bytes) -> bytes:
@@ -149,37 +141,36 @@ class _Stream:
             return self._objects(frame, payload)
         if idx in self.on_objects:
             return self._objects(frame, payload)
+        sample = self.samples.get(idx)
+        if sample is None:
+            sample = self.samples[idx] = SampleState()
         try:
             last = finished(payload)
             client = restore(payload, self.plan, self.plan.prompt_index(idx))
+            total = int_value(payload, b"output_token_logprobs_length")
+            if total is None:
+                raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
+            if not last and cumulative(payload, total, total - sample.total):
+                sample.hold(lambda: _read_held(payload), total)
+                chunk, meta = None, None
+            else:
+                chunk, hole = read_bytes(payload)
+                meta = small_meta(payload, hole) if last else None
         except NotFast:
-            return self._objects(frame, payload)
-        sample = self.fast.get(idx)
-        fresh = sample is None
-        if sample is None:
-            sample = self.fast[idx] = FastSample()
-        try:
-            sample.offer(payload, last=last)
-            if last:
-                del self.fast[idx]
-                rec = sample.record(
-                    payload,
-                    fallback_prompt=self.cap.fallback(self.plan, idx),
-                    vocab_size=self.cap.vocab_size,
-                )
-                self.cap.commit(rec)
-        except NotFast as exc:
-            self.fast.pop(idx, None)
-            if not fresh:
-                try:
-                    self.slow[idx] = sample.to_objects()
-                except (ValueError, KeyError, TypeError):
-                    self.on_objects.add(idx)
-                    self.cap.wire_error(f"stream sample {idx}", exc)
-                    return frame if client is payload else b"data: " + client + b"\n\n"
+            self.on_objects.add(idx)
             return self._objects(frame, payload)
         except (WireError, ValueError) as exc:
-            self.fast.pop(idx, None)
+            self.samples.pop(idx, None)
+            self.cap.wire_error(f"stream sample {idx}", exc)
+            return frame
+        try:
+            if chunk is not None:
+                sample.add(chunk)
+            if meta is not None:
+                del self.samples[idx]
+                self.cap.finish(sample, meta, self.plan, idx)
+        except (WireError, ValueError) as exc:
+            self.samples.pop(idx, None)
             self.cap.wire_error(f"stream sample {idx}", exc)
         return frame if client is payload else b"data: " + client + b"\n\n"
 
@@ -193,13 +184,15 @@ class _Stream:
         idx = out.get("index", 0)
         idx = idx if isinstance(idx, int) else 0
         self.on_objects.add(idx)
+        sample = self.samples.get(idx)
+        if sample is None:
+            sample = self.samples[idx] = SampleState()
         try:
-            sample = self.slow.setdefault(idx, SampleState())
             sample.offer(out)
             if is_finished(out):
-                self.cap.commit_state(self.slow.pop(idx), out, self.plan, idx)
+                self.cap.finish(self.samples.pop(idx), out["meta_info"], self.plan, idx)
         except (WireError, ValueError) as exc:
-            self.slow.pop(idx, None)
+            self.samples.pop(idx, None)
             self.cap.wire_error(f"stream sample {idx}", exc)
         if not self.plan.changed:
             return frame

@@ -31,10 +31,11 @@ Facts this module relies on:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+import numpy as np
 import orjson
 
 from ....monitor.core.errors import WireError
@@ -45,7 +46,10 @@ __all__ = [
     "parse_logprob_triples",
     "RequestPlan",
     "plan_request",
+    "Chunk",
     "SampleState",
+    "read_object",
+    "finish_type",
     "dumps",
     "loads",
     "is_finished",
@@ -241,83 +245,150 @@ def finish_type(reason: Any) -> str | None:
     return str(reason)
 
 
-@dataclass
-class SampleState:
-    """Accumulates one sample over stream chunks (cumulative or incremental) or one answer."""
+#: Top-k rows of a chunk: an ``(n, k)`` array (the byte path), or one list of log-probs per
+#: token, None where SGLang sent no row (the object path).
+TopRows = np.ndarray | list[list[float | None] | None]
 
-    ids: list[int] = field(default_factory=list)
-    logps: list[float | None] = field(default_factory=list)
-    tops: list[list[float | None] | None] | None = None
-    prompt_ids: list[int] | None = None
-    pending: dict[str, Any] | None = None
+
+class Chunk(NamedTuple):
+    """What one answer or stream chunk holds of its sample, whichever reader read it: arrays
+    (the byte path) or lists (the object path, where ``None`` is a null log-prob, refused when
+    the record is built). ``total`` is ``output_token_logprobs_length`` (None before SGLang
+    0.5.3)."""
+
+    ids: np.ndarray | list[int]
+    logps: np.ndarray | list[float | None]
+    tops: TopRows | None = None
+    total: int | None = None
+    prompt: np.ndarray | list[int] | None = None
+
+
+def _joined(parts: list[Any], dtype: type) -> np.ndarray:
+    """One array of the chunks' arrays or lists (None in a float list: NaN)."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+    flat = [x for p in parts for x in (p.tolist() if isinstance(p, np.ndarray) else p)]
+    return np.array(flat, dtype=dtype)
+
+
+def read_object(out: Mapping[str, Any]) -> Chunk:
+    """The object path's reader: one parsed answer or chunk (orjson's objects)."""
+    meta = out.get("meta_info")
+    if not isinstance(meta, dict):
+        raise WireError(f"meta_info: expected an object, got {meta!r}")
+    if "output_token_logprobs" not in meta:
+        raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
+    ids, logps = parse_logprob_triples(
+        meta["output_token_logprobs"], "meta_info.output_token_logprobs"
+    )
+    tops = (
+        _top_rows(meta["output_top_logprobs"], "meta_info.output_top_logprobs")
+        if "output_top_logprobs" in meta
+        else None
+    )
+    if tops is not None and len(tops) != len(ids):
+        raise WireError(f"meta_info.output_top_logprobs: {len(tops)} rows for {len(ids)} tokens")
+    prompt = out.get("prompt_token_ids")
+    total = meta.get("output_token_logprobs_length")
+    return Chunk(
+        ids,
+        logps,
+        tops,
+        total if isinstance(total, int) else None,
+        [int(t) for t in prompt] if isinstance(prompt, list) else None,
+    )
+
+
+class SampleState:
+    """One sample's tokens over stream chunks (cumulative or incremental) or one answer, read
+    by either reader: the object path's `read_object` or the byte path's
+    (`proxy.sglang.fastwire.read_bytes`, `native.scan_deltas`). A sample whose chunk the byte
+    path refuses goes on on the object path with what it holds.
+
+    A chunk whose list is as long as ``output_token_logprobs_length`` holds every token so far
+    (cumulative): it replaces what came before. A shorter one is a delta and extends it; one
+    that is neither is a `WireError`. Before SGLang 0.5.3 (no length) a chunk that repeats the
+    tokens held is cumulative. An unfinished cumulative chunk is superseded by the next one,
+    so it is only held (`hold`) and read when a delta or the last chunk needs it."""
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray | list[int]] = []
+        self.logps: list[np.ndarray | list[float | None]] = []
+        self.tops: list[TopRows] | None = None
+        self.n = 0
+        self.total = 0  # output_token_logprobs_length of the last chunk seen
+        self.prompt: np.ndarray | list[int] | None = None
+        self.pending: Callable[[], Chunk] | None = None
+
+    def hold(self, read: Callable[[], Chunk], total: int) -> None:
+        """An unfinished cumulative chunk of ``total`` tokens, read by ``read`` if ever needed."""
+        self.pending, self.total = read, total
 
     def offer(self, out: Mapping[str, Any]) -> None:
-        """Take one stream chunk. A cumulative chunk (its list is as long as
-        ``output_token_logprobs_length``) is superseded by the next one, so it is only kept by
-        reference and parsed when a delta or the final chunk needs it; this keeps the proxy's
-        per-chunk work to one JSON round trip in SGLang's default cumulative mode."""
+        """Take one parsed stream chunk (the object path)."""
         meta = out.get("meta_info")
-        if isinstance(meta, dict) and meta.get("finish_reason") is None:
-            total = meta.get("output_token_logprobs_length")
-            entries = meta.get("output_token_logprobs")
-            if isinstance(total, int) and isinstance(entries, list) and len(entries) == total:
-                self.pending = {
-                    "meta_info": dict(meta),
-                    "prompt_token_ids": out.get("prompt_token_ids"),
-                }
-                return
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            if not _is_whole(out):
-                self.feed(pending, stream=True)
-        self.feed(out, stream=True)
+        if isinstance(meta, dict) and meta.get("finish_reason") is None and _is_whole(out):
+            held = {"meta_info": dict(meta), "prompt_token_ids": out.get("prompt_token_ids")}
+            self.hold(lambda: read_object(held), meta["output_token_logprobs_length"])
+            return
+        self.add(read_object(out))
 
     def feed(self, out: Mapping[str, Any], *, stream: bool) -> None:
-        meta = out.get("meta_info")
-        if not isinstance(meta, dict):
-            raise WireError(f"meta_info: expected an object, got {meta!r}")
-        if "output_token_logprobs" not in meta:
-            raise WireError("meta_info.output_token_logprobs: missing (return_logprob off?)")
-        ids, logps = parse_logprob_triples(
-            meta["output_token_logprobs"], "meta_info.output_token_logprobs"
-        )
-        tops = (
-            _top_rows(meta["output_top_logprobs"], "meta_info.output_top_logprobs")
-            if "output_top_logprobs" in meta
-            else None
-        )
-        if tops is not None and len(tops) != len(ids):
-            raise WireError(
-                f"meta_info.output_top_logprobs: {len(tops)} rows for {len(ids)} tokens"
-            )
-        if self._is_delta(meta, ids, stream):
-            self.ids.extend(ids)
-            self.logps.extend(logps)
-            if tops is not None:
-                self.tops = (self.tops or []) + tops
-        else:
-            self.ids, self.logps = ids, logps
-            if tops is not None:
-                self.tops = tops
-        prompt = out.get("prompt_token_ids")
-        if isinstance(prompt, list):
-            self.prompt_ids = [int(t) for t in prompt]
+        """Take one parsed answer (``stream=False``) or stream chunk, read now."""
+        self.add(read_object(out), stream=stream)
 
-    def _is_delta(self, meta: Mapping[str, Any], ids: list[int], stream: bool) -> bool:
-        if not stream or not self.ids:
-            return False
-        total = meta.get("output_token_logprobs_length")
-        if isinstance(total, int):
-            if len(ids) == total:
-                return False
-            if len(self.ids) + len(ids) == total:
-                return True
+    def add(self, chunk: Chunk, *, stream: bool = True) -> None:
+        """Take one chunk read now: it replaces or extends what is held (see the class doc)."""
+        n, total = len(chunk.ids), chunk.total
+        if not stream:
+            whole = True
+        elif total is not None:
+            whole = n == total
+        else:  # SGLang before 0.5.3: a cumulative chunk repeats the prefix
+            held = _joined(self.ids, np.int64)
+            whole = n >= len(held) and np.array_equal(np.asarray(chunk.ids)[: len(held)], held)
+        if not whole and self.pending is not None:
+            self._keep(self.pending(), whole=True)
+        self.pending = None
+        whole = whole or self.n == 0
+        if not whole and total is not None and self.n + n != total:
             raise WireError(
                 f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
-                f"{len(ids)} tokens nor {len(self.ids)} seen + {len(ids)}"
+                f"{n} tokens nor {self.n} seen + {n}"
             )
-        # SGLang before output_token_logprobs_length: cumulative chunks repeat the prefix.
-        return not (len(ids) >= len(self.ids) and ids[: len(self.ids)] == self.ids)
+        self._keep(chunk, whole=whole)
+        if total is not None:
+            self.total = total
+
+    def _keep(self, chunk: Chunk, *, whole: bool) -> None:
+        if whole:
+            self.ids, self.logps, self.n = [], [], 0
+            if chunk.tops is not None:
+                self.tops = []
+        self.ids.append(chunk.ids)
+        self.logps.append(chunk.logps)
+        self.n += len(chunk.ids)
+        if chunk.tops is not None:
+            self.tops = (self.tops or []) + [chunk.tops]
+        if chunk.prompt is not None:
+            self.prompt = chunk.prompt
+
+    def _top_rows(self) -> np.ndarray | list[list[float | None]] | None:
+        """The top-k rows of every token held, None unless each token has a non-empty one."""
+        parts = self.tops
+        if not parts or not self.n:
+            return None
+        arrays = [p for p in parts if isinstance(p, np.ndarray)]
+        if len(arrays) == len(parts):
+            rows = np.concatenate(arrays)
+            return rows if rows.shape == (self.n, rows.shape[1]) and rows.shape[1] else None
+        listed: list[list[float | None]] = []
+        for p in parts:
+            for row in p.tolist() if isinstance(p, np.ndarray) else p:
+                if not row:
+                    return None  # a token without a top-k row: no bound
+                listed.append(row)
+        return listed if len(listed) == self.n else None
 
     def record(
         self,
@@ -326,27 +397,30 @@ class SampleState:
         fallback_prompt: list[int] | None,
         vocab_size: int | None,
     ) -> RolloutRecord:
+        """The finished sample as a record; ``meta`` is its last chunk's ``meta_info``."""
         rid = meta.get("id")
         if not isinstance(rid, str):
             raise WireError(f"meta_info.id: expected a string, got {rid!r}")
-        missing = [i for i, lp in enumerate(self.logps) if lp is None]
-        if missing:
-            raise WireError(f"meta_info.output_token_logprobs[{missing[0]}][0]: logprob is null")
-        weight_version = meta.get("weight_version")
-        weight_version = None if weight_version is None else str(weight_version)
+        ids, logp = _joined(self.ids, np.int64), _joined(self.logps, np.float64)
+        nulls = np.flatnonzero(np.isnan(logp))
+        if nulls.size:
+            raise WireError(f"meta_info.output_token_logprobs[{nulls[0]}][0]: logprob is null")
+        wv = meta.get("weight_version")
+        wv = None if wv is None else str(wv)
         lower = tail = source = None
-        if self.tops is not None and self.ids and all(row for row in self.tops):
-            lower, tail = topk_entropy_bounds([r or [] for r in self.tops], vocab_size=vocab_size)
+        rows = self._top_rows()
+        if rows is not None:
+            lower, tail = topk_entropy_bounds(rows, vocab_size=vocab_size)
             source = "topk"
-        prompt = self.prompt_ids if self.prompt_ids is not None else fallback_prompt
+        prompt = self.prompt if self.prompt is not None else fallback_prompt
         return RolloutRecord(
             rid=rid,
             input_ids=prompt,
-            output_ids=self.ids,
-            logp=self.logps,
-            runs=version_runs(meta.get("weight_versions"), len(self.ids), weight_version),
+            output_ids=ids,
+            logp=logp,
+            runs=version_runs(meta.get("weight_versions"), self.n, wv),
             finish_reason=finish_type(meta.get("finish_reason")),
-            weight_version=weight_version,
+            weight_version=wv,
             entropy_lower=lower,
             entropy_tail=tail,
             entropy_source=source,
