@@ -166,7 +166,15 @@ def render_comparison(res: dict[str, Any], console: Console) -> None:
 
 
 def gate(
-    run: Annotated[str, typer.Argument(help="the candidate run", show_default=False)],
+    runs: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="RUN",
+            help="the candidate run; with --write-baseline, one or more runs of the same "
+            "settings (several give the baseline their run-to-run spread)",
+            show_default=False,
+        ),
+    ],
     baseline: Annotated[
         str | None,
         typer.Option(
@@ -177,7 +185,7 @@ def gate(
     ] = None,
     write_baseline: Annotated[
         Path | None,
-        typer.Option(metavar="FILE", show_default=False, help="write RUN as a baseline file"),
+        typer.Option(metavar="FILE", show_default=False, help="write the RUNs as a baseline file"),
     ] = None,
     model: Annotated[
         str | None, typer.Option(show_default=False, help="the model (default: the run's tag)")
@@ -221,9 +229,12 @@ def gate(
     _range(from_step, to_step)
     if (baseline is None) == (write_baseline is None):
         raise ConfigError("give --baseline FILE|RUN or --write-baseline FILE")
+    if baseline is not None and len(runs) > 1:
+        raise ConfigError(f"gate one run at a time: got {len(runs)} ({', '.join(runs)})")
     if metric:
         check_metrics(metric)
     src = Source(url, token, db, batches)
+    run = runs[0]
     series = _nonempty(src.series(run, from_step, to_step))
     tags: dict[str, Any] | None = None
 
@@ -239,14 +250,15 @@ def gate(
         return str(found)
 
     if write_baseline is not None:
-        b = make_baseline(series, model=ident("model", model), engine=ident("engine", engine),
+        every = [series, *(_nonempty(src.series(r, from_step, to_step)) for r in runs[1:])]
+        b = make_baseline(every, model=ident("model", model), engine=ident("engine", engine),
                           metrics=metric, max_ratio=max_ratio, max_abs=max_abs)  # fmt: skip
         try:
             b.dump(write_baseline)
         except OSError as exc:
             raise ConfigError(f"cannot write {write_baseline}: {exc.strerror}") from None
         sys.stdout.write(
-            f"wrote baseline {write_baseline}: {', '.join(b.metrics)} of {run} "
+            f"wrote baseline {write_baseline}: {', '.join(b.metrics)} of {b.run} "
             f"({b.model} on {b.engine}, steps {b.steps[0]}–{b.steps[1]})\n"
         )
         return

@@ -1,20 +1,26 @@
-"""The gate's baseline file: one model on one engine, and per metric the baseline run's mean,
-its step-to-step standard deviation and step count, with the bounds a candidate must meet.
+"""The gate's baseline file: one model on one engine, and per metric the mean of the baseline
+runs, their step-to-step standard deviation and step count, the spread of the runs' means (from
+two runs on), with the bounds a candidate must meet.
 
 File format (JSON, ``"format": "timwatch-baseline/1"``)::
 
     {"format": ..., "model": "...", "engine": "...", "run": "...", "steps": [first, last],
-     "metrics": {"mismatch_kl": {"mean": m, "sd": s, "n": n, "max_ratio": 1.5, "max_abs": 0.0}}}
+     "metrics": {"mismatch_kl": {"mean": m, "sd": s, "n": n, "max_ratio": 1.5, "max_abs": 0.0,
+                                 "runs": r, "run_sd": s_r}}}
+
+``run`` names the baseline runs (comma-separated); ``runs`` and ``run_sd`` may be absent (files
+written before they existed: one run, 0).
 
 Invariants: `Baseline.load` accepts exactly what `Baseline.dump` writes and refuses anything
-else with one `InputError` naming the file and the field; ``n ≥ 1``, ``sd ≥ 0``, ``mean``
-finite, ``max_ratio ≥ 1`` and ``max_abs ≥ 0``.
+else with one `InputError` naming the file and the field; ``n ≥ 1``, ``1 ≤ runs ≤ n``,
+``sd ≥ 0``, ``run_sd ≥ 0``, ``mean`` finite, ``max_ratio ≥ 1`` and ``max_abs ≥ 0``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,24 +40,42 @@ MAX_ABS = 0.0
 
 @dataclass(frozen=True)
 class MetricBaseline:
+    """One metric of a baseline written from ``runs`` runs: ``mean`` is the mean of the runs'
+    means, ``sd`` the step-to-step standard deviation within a run (pooled), ``n`` the steps
+    of all runs, ``run_sd`` the standard deviation of the runs' means (0 for one run)."""
+
     mean: float
     sd: float
     n: int
     max_ratio: float = MAX_RATIO
     max_abs: float = MAX_ABS
+    runs: int = 1
+    run_sd: float = 0.0
 
     @classmethod
     def of(
         cls, values: Any, max_ratio: float = MAX_RATIO, max_abs: float = MAX_ABS
     ) -> MetricBaseline:
-        x = np.asarray(values, dtype=np.float64)
-        x = x[np.isfinite(x)]
-        sd = float(x.std(ddof=1)) if len(x) > 1 else 0.0
-        return cls(float(x.mean()), sd, int(len(x)), max_ratio, max_abs)
+        """From one run's step values."""
+        return cls.of_runs([values], max_ratio, max_abs)
+
+    @classmethod
+    def of_runs(
+        cls, per_run: Sequence[Any], max_ratio: float = MAX_RATIO, max_abs: float = MAX_ABS
+    ) -> MetricBaseline:
+        """From several runs' step values (non-finite values dropped; each run needs one)."""
+        runs = [x[np.isfinite(x)] for x in (np.asarray(v, dtype=np.float64) for v in per_run)]
+        means = np.array([x.mean() for x in runs])
+        n = sum(len(x) for x in runs)
+        within = sum(float(((x - x.mean()) ** 2).sum()) for x in runs)
+        sd = math.sqrt(within / (n - len(runs))) if n > len(runs) else 0.0
+        run_sd = float(means.std(ddof=1)) if len(runs) > 1 else 0.0
+        return cls(float(means.mean()), sd, n, max_ratio, max_abs, len(runs), run_sd)
 
     def to_dict(self) -> dict[str, Any]:
         return {"mean": self.mean, "sd": self.sd, "n": self.n,
-                "max_ratio": self.max_ratio, "max_abs": self.max_abs}  # fmt: skip
+                "max_ratio": self.max_ratio, "max_abs": self.max_abs,
+                "runs": self.runs, "run_sd": self.run_sd}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -118,12 +142,24 @@ class Baseline:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise bad(f"{f}.{k}", "must be a finite number")
                 nums[k] = float(v)
-            n = m.get("n")
+            n, runs, run_sd = m.get("n"), m.get("runs", 1), m.get("run_sd", 0.0)
             if type(n) is not int or n < 1:
                 raise bad(f"{f}.n", "must be an integer ≥ 1")
+            if type(runs) is not int or not 1 <= runs <= n:
+                raise bad(f"{f}.runs", "must be an integer from 1 to n")
+            if isinstance(run_sd, bool) or not isinstance(run_sd, (int, float)):
+                raise bad(f"{f}.run_sd", "must be a finite number")
+            if not (math.isfinite(run_sd) and run_sd >= 0):
+                raise bad(f"{f}.run_sd", "must be a finite number ≥ 0")
             if nums["sd"] < 0 or nums["max_abs"] < 0 or nums["max_ratio"] < 1:
                 raise bad(f, "needs sd ≥ 0, max_abs ≥ 0 and max_ratio ≥ 1")
             metrics[name] = MetricBaseline(
-                nums["mean"], nums["sd"], n, nums["max_ratio"], nums["max_abs"]
+                nums["mean"],
+                nums["sd"],
+                n,
+                nums["max_ratio"],
+                nums["max_abs"],
+                runs,
+                float(run_sd),
             )
         return cls(obj["model"], obj["engine"], obj["run"], (steps[0], steps[1]), metrics)

@@ -2,12 +2,14 @@
 
 A metric passes when the candidate's mean over its steps is at most
 
-    limit = max(mean₀ · max_ratio, mean₀ + max_abs) + Z · √(sd₀²/n₀ + sd₁²/n₁)
+    limit = max(mean₀ · max_ratio, mean₀ + max_abs) + Z · √(sd₀²/n₀ + sd₁²/n₁ + s_r² (1 + 1/R))
 
-where mean₀, sd₀, n₀ are the baseline's mean, step-to-step standard deviation and step count
-and sd₁, n₁ the candidate's: the bound the baseline file sets, plus a tolerance of `Z` standard
-errors of the difference of the two means, so that step-to-step noise alone does not fail a run
-(every gated metric is a mismatch: lower is better, only the upper side is gated). The gate
+where mean₀, sd₀, n₀ are the baseline's mean, step-to-step standard deviation and step count,
+sd₁, n₁ the candidate's, and s_r the standard deviation of the means of the baseline's R runs
+(0 for a baseline of one run): the bound the baseline file sets, plus a tolerance of `Z`
+standard errors of the difference of the two means, so that step-to-step noise alone, and with
+several baseline runs the run-to-run spread they show, does not fail a run (every gated metric
+is a mismatch: lower is better, only the upper side is gated). The gate
 passes when every metric passes. Errors (`InputError`, exit 2 in the CLI): a candidate with no
 steps, a gated metric the candidate has no value of, a baseline for another model or engine.
 """
@@ -44,7 +46,8 @@ class Check:
     @property
     def noise(self) -> float:
         b = self.baseline
-        return Z * math.sqrt(b.sd**2 / b.n + self.sd**2 / self.n)
+        spread = b.run_sd**2 * (1 + 1 / b.runs)
+        return Z * math.sqrt(b.sd**2 / b.n + self.sd**2 / self.n + spread)
 
     @property
     def bound(self) -> float:
@@ -69,6 +72,7 @@ class Check:
             "baseline": self.baseline.mean, "ratio": self.ratio, "limit": self.limit,
             "bound": self.bound, "noise": self.noise, "steps": self.n,
             "max_ratio": self.baseline.max_ratio, "max_abs": self.baseline.max_abs,
+            "baseline_runs": self.baseline.runs, "run_sd": self.baseline.run_sd,
         }  # fmt: skip
 
 
@@ -120,17 +124,25 @@ def _span(series: StepSeries) -> tuple[int, int]:
 
 
 def make_baseline(
-    series: StepSeries, *, model: str, engine: str, metrics: Sequence[str] | None = None,
-    max_ratio: float = MAX_RATIO, max_abs: float = MAX_ABS,
+    series: StepSeries | Sequence[StepSeries], *, model: str, engine: str,
+    metrics: Sequence[str] | None = None, max_ratio: float = MAX_RATIO, max_abs: float = MAX_ABS,
 ) -> Baseline:  # fmt: skip
-    """A baseline from ``series``: the given metrics, or every `HEADLINE` metric it has."""
-    if not len(series):
-        raise InputError("steps", f"run {series.run!r} has no steps in the range asked")
-    names = check_metrics(metrics) if metrics else [n for n in HEADLINE if series.has(n)]
+    """A baseline from one run or several runs of the same settings: the given metrics, or
+    every `HEADLINE` metric the first run has (each run needs a value of each)."""
+    runs = [series] if isinstance(series, StepSeries) else list(series)
+    for s in runs:
+        if not len(s):
+            raise InputError("steps", f"run {s.run!r} has no steps in the range asked")
+    first = runs[0]
+    names = check_metrics(metrics) if metrics else [n for n in HEADLINE if first.has(n)]
     if not names:
-        raise InputError("metric", f"run {series.run!r} has no value of {', '.join(HEADLINE)}")
-    out = {n: MetricBaseline.of(_values(series, n), max_ratio, max_abs) for n in names}
-    return Baseline(model, engine, series.run, _span(series), out)
+        raise InputError("metric", f"run {first.run!r} has no value of {', '.join(HEADLINE)}")
+    out = {
+        n: MetricBaseline.of_runs([_values(s, n) for s in runs], max_ratio, max_abs) for n in names
+    }
+    spans = [_span(s) for s in runs]
+    steps = (min(a for a, _ in spans), max(b for _, b in spans))
+    return Baseline(model, engine, ", ".join(s.run for s in runs), steps, out)
 
 
 def gate(

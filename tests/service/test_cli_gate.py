@@ -94,6 +94,9 @@ def _truncate(runs: Path, tmp_path: Path, suffix: str) -> Path:
         (["fp32-b", "--baseline", "{t}/missing.json", *ID], "No such file"),
         (["fp32-b", "--baseline", "{b}"], "name the run's --model"),
         (["fp32-b", *ID], "give --baseline FILE|RUN or --write-baseline FILE"),
+        (["fp32-b", "bf16-a", "--baseline", "{b}", *ID],
+         "gate one run at a time: got 2 (fp32-b, bf16-a)"),
+        (["fp32-b", "nope", "--write-baseline", "{t}/x.json", *ID], "unknown run 'nope'"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2(

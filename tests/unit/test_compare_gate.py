@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from timwatch.monitor.compare import (
     Baseline,
@@ -55,6 +57,61 @@ def test_limit_and_verdict_hand_computed() -> None:
     assert not gate(series("c", [5.01] * 4), wide).passed
 
 
+def test_baseline_of_several_runs_hand_computed() -> None:
+    # run a: 1, 3 (mean 2); run b: 4, 6, 8 (mean 6). Mean of the run means 4; their sd
+    # √((2-4)² + (6-4)²) / 1 = 2.8284; within-run sd √((1+1 + 4+0+4) / (5-2)) = √(10/3)
+    base = make_baseline(
+        [series("a", [1.0, 3.0]), series("b", [4.0, 6.0, 8.0])], model="m", engine="e"
+    )
+    b = base.metrics["mismatch_kl"]
+    assert (b.mean, b.n, b.runs) == (4.0, 5, 2)
+    assert b.run_sd == pytest.approx(math.sqrt(8.0), rel=1e-15)
+    assert b.sd == pytest.approx(math.sqrt(10 / 3), rel=1e-15)
+    assert base.run == "a, b" and base.steps == (0, 2)
+    # candidate 6, 6: noise = 3·√(10/3/5 + 0 + 8·(1 + 1/2)) = 3·√(12.6667) = 10.677
+    c = gate(series("c", [6.0, 6.0]), base).checks[0]
+    assert c.noise == pytest.approx(Z * math.sqrt(10 / 3 / 5 + 8.0 * 1.5), rel=1e-15)
+    assert c.limit == pytest.approx(6.0 + 10.677078252031311, rel=1e-12)
+    # one run: the spread term is 0, the limit is the one-run formula
+    one = make_baseline([series("a", [1.0, 3.0])], model="m", engine="e")
+    assert (
+        one.metrics["mismatch_kl"]
+        == make_baseline(series("a", [1.0, 3.0]), model="m", engine="e").metrics["mismatch_kl"]
+    )
+    assert (one.metrics["mismatch_kl"].runs, one.metrics["mismatch_kl"].run_sd) == (1, 0.0)
+    with pytest.raises(InputError, match="run 'b' has no value of 'mismatch_kl'"):
+        make_baseline(
+            [series("a", [1.0]), StepSeries.build("b", [0], {"mismatch_kl": [None]})],
+            model="m", engine="e",
+        )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.floats(0.0, 1e3, allow_nan=False), min_size=1, max_size=12),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_baseline_of_runs_equals_a_float64_reference(runs: list[list[float]]) -> None:
+    b = MetricBaseline.of_runs(runs)
+    means = [math.fsum(r) / len(r) for r in runs]
+    n = sum(len(r) for r in runs)
+    within = math.fsum((x - m) ** 2 for r, m in zip(runs, means, strict=True) for x in r)
+    assert (b.n, b.runs) == (n, len(runs))
+    assert b.mean == pytest.approx(math.fsum(means) / len(means), rel=1e-12, abs=1e-12)
+    want_sd = math.sqrt(within / (n - len(runs))) if n > len(runs) else 0.0
+    assert b.sd == pytest.approx(want_sd, rel=1e-9, abs=1e-9)
+    mu = math.fsum(means) / len(means)
+    want_run_sd = (
+        math.sqrt(math.fsum((m - mu) ** 2 for m in means) / (len(means) - 1))
+        if len(means) > 1
+        else 0.0
+    )
+    assert b.run_sd == pytest.approx(want_run_sd, rel=1e-9, abs=1e-9)
+
+
 def test_errors_name_the_problem(tmp_path: Path) -> None:
     base = make_baseline(series("a", [1.0, 2.0]), model="m", engine="e")
     with pytest.raises(InputError, match="engine 'e', the run is engine 'vllm'"):
@@ -83,12 +140,25 @@ def test_baseline_file_round_trip_and_refusals(tmp_path: Path) -> None:
         "metrics.mismatch_kl.n": {
             **good, "metrics": {"mismatch_kl": {**good["metrics"]["mismatch_kl"], "n": 0}}
         },
+        "metrics.mismatch_kl.runs": {
+            **good, "metrics": {"mismatch_kl": {**good["metrics"]["mismatch_kl"], "runs": 4}}
+        },
+        "metrics.mismatch_kl.run_sd": {
+            **good, "metrics": {"mismatch_kl": {**good["metrics"]["mismatch_kl"], "run_sd": -1}}
+        },
     }  # fmt: skip
     for field, obj in cases.items():
         path.write_text(json.dumps(obj))
         with pytest.raises(InputError, match=field.replace(".", r"\.")):
             Baseline.load(path)
+    # a file written before runs and run_sd existed: one run, no spread
+    metric = {
+        k: v for k, v in good["metrics"]["mismatch_kl"].items() if k not in ("runs", "run_sd")
+    }
+    path.write_text(json.dumps({**good, "metrics": {"mismatch_kl": metric}}))
+    assert Baseline.load(path) == base
     path.write_text('{"format": "timwatch-base')  # truncated
+
     with pytest.raises(InputError, match="not JSON"):
         Baseline.load(path)
     with pytest.raises(InputError, match="No such file"):
