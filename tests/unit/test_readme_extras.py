@@ -1,5 +1,6 @@
 """The README's install table names exactly the extras pyproject.toml defines, so neither can
-drift from the other (``test`` is the suite's own extra, not a user's)."""
+drift from the other (``test`` is the suite's own extra, not a user's), and the README stays at
+most 250 lines."""
 
 from __future__ import annotations
 
@@ -32,3 +33,9 @@ def test_readme_install_table_names_every_extra_once() -> None:
     names = _readme_extras()
     assert len(names) == len(set(names)), names
     assert set(names) == set(extras) - {"test"}
+
+
+def test_readme_is_at_most_250_lines() -> None:
+    """What it is, the two commands, a screen per use, links: the rest lives in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to docs/"
