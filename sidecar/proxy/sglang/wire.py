@@ -369,7 +369,9 @@ class SampleState:
         self.logps.append(chunk.logps)
         self.n += len(chunk.ids)
         if chunk.tops is not None:
-            self.tops = (self.tops or []) + [chunk.tops]
+            if self.tops is None:
+                self.tops = []
+            self.tops.append(chunk.tops)
         if chunk.prompt is not None:
             self.prompt = chunk.prompt
 
