@@ -245,3 +245,28 @@ def test_broken_chunked_framing_is_an_upstream_error_and_drops_the_connection() 
         return connections
 
     assert asyncio.run(run()) == 2  # the broken connection was not reused
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "fallback"])
+def test_a_malformed_chunk_of_a_changed_request_is_counted_and_still_restored(
+    native: bool,
+) -> None:
+    """The last chunk lacks its log-prob list (a wire error): the sample is dropped and counted,
+    and the client still gets the chunk without the members the proxy added."""
+    from timwatch.sidecar.proxy import native as native_mod
+
+    plan = plan_request({"input_ids": [1, 2], "stream": True}, None)
+    assert plan is not None and plan.changed
+    meta = {"id": "r", "finish_reason": {"type": "length"}, "output_token_logprobs_length": 2}
+    raw = b"data: " + orjson.dumps({"text": "ab", "output_ids": [3, 4], "meta_info": meta})
+    counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
+    got: list[RolloutRecord] = []
+    before = native_mod.use_native(native)
+    try:
+        out = asyncio.run(_relay(Capturer(got.append, counters, None), plan, [raw + b"\n\n"]))
+    finally:
+        native_mod.use_native(before)
+    assert got == [] and counters["wire_errors"] == 1
+    sent = orjson.loads(out[6:])
+    assert "output_token_logprobs_length" not in sent["meta_info"]
+    assert sent["meta_info"]["id"] == "r" and sent["output_ids"] == [3, 4]

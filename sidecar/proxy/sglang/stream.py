@@ -79,6 +79,17 @@ class _Stream:
         self.on_objects: set[int] = set()
         self.indexed: bool | None = None  # whether its chunks carry "index" (batch requests)
 
+    def _sample(self, idx: int) -> SampleState:
+        sample = self.samples.get(idx)
+        if sample is None:
+            sample = self.samples[idx] = SampleState()
+        return sample
+
+    def _refuse(self, idx: int, exc: Exception) -> None:
+        """A malformed chunk: the sample is dropped and counted as a wire error."""
+        self.samples.pop(idx, None)
+        self.cap.wire_error(f"stream sample {idx}", exc)
+
     def whole(self, buf: bytes, start: int, end: int) -> bool:
         """Hold ``buf[start:end]`` by reference if it is an unfinished cumulative chunk of the
         one sample of a request seen before on the byte path; False: read it with `frame`.
@@ -118,14 +129,10 @@ class _Stream:
     def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
         """An unfinished chunk the C delta scan read (`_read_small`: an unchanged request's
         stream)."""
-        sample = self.samples.get(idx)
-        if sample is None:
-            sample = self.samples[idx] = SampleState()
         try:
-            sample.add(Chunk(ids, logps, None, total))
+            self._sample(idx).add(Chunk(ids, logps, None, total))
         except (WireError, ValueError) as exc:
-            self.samples.pop(idx, None)
-            self.cap.wire_error(f"stream sample {idx}", exc)
+            self._refuse(idx, exc)
 
     def frame(self, frame: bytes) -> bytes:
         if not frame.startswith(b"data: {"):
@@ -141,38 +148,37 @@ class _Stream:
             return self._objects(frame, payload)
         if idx in self.on_objects:
             return self._objects(frame, payload)
-        sample = self.samples.get(idx)
-        if sample is None:
-            sample = self.samples[idx] = SampleState()
         try:
             last = finished(payload)
             client = restore(payload, self.plan, self.plan.prompt_index(idx))
             total = int_value(payload, b"output_token_logprobs_length")
             if total is None:
                 raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
+        except NotFast:
+            self.on_objects.add(idx)
+            return self._objects(frame, payload)
+        out = frame if client is payload else b"data: " + client + b"\n\n"
+        sample = self._sample(idx)
+        try:
             if not last and cumulative(payload, total, total - sample.total):
                 sample.hold(lambda: _read_held(payload), total)
-                chunk, meta = None, None
-            else:
-                chunk, hole = read_bytes(payload)
-                meta = small_meta(payload, hole) if last else None
+                return out
+            chunk, hole = read_bytes(payload)
+            meta = small_meta(payload, hole) if last else None
         except NotFast:
             self.on_objects.add(idx)
             return self._objects(frame, payload)
         except (WireError, ValueError) as exc:
-            self.samples.pop(idx, None)
-            self.cap.wire_error(f"stream sample {idx}", exc)
-            return frame
+            self._refuse(idx, exc)  # the client still gets its restored bytes
+            return out
         try:
-            if chunk is not None:
-                sample.add(chunk)
+            sample.add(chunk)
             if meta is not None:
                 del self.samples[idx]
                 self.cap.finish(sample, meta, self.plan, idx)
         except (WireError, ValueError) as exc:
-            self.samples.pop(idx, None)
-            self.cap.wire_error(f"stream sample {idx}", exc)
-        return frame if client is payload else b"data: " + client + b"\n\n"
+            self._refuse(idx, exc)
+        return out
 
     def _objects(self, frame: bytes, payload: bytes) -> bytes:
         try:
@@ -184,16 +190,12 @@ class _Stream:
         idx = out.get("index", 0)
         idx = idx if isinstance(idx, int) else 0
         self.on_objects.add(idx)
-        sample = self.samples.get(idx)
-        if sample is None:
-            sample = self.samples[idx] = SampleState()
         try:
-            sample.offer(out)
+            self._sample(idx).offer(out)
             if is_finished(out):
                 self.cap.finish(self.samples.pop(idx), out["meta_info"], self.plan, idx)
         except (WireError, ValueError) as exc:
-            self.samples.pop(idx, None)
-            self.cap.wire_error(f"stream sample {idx}", exc)
+            self._refuse(idx, exc)
         if not self.plan.changed:
             return frame
         self.plan.restore(out, idx)
