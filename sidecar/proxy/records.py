@@ -149,16 +149,22 @@ def version_as_int(label: str | None) -> int | None:
 HELD_OVERHEAD_BYTES = 1024
 
 
+def _owned(arr: np.ndarray) -> np.ndarray:
+    """``arr``, copied when it is a view: a view keeps its whole base buffer alive (a reader's
+    scratch array, a peer's answer), which `RolloutRecord.nbytes` would not count."""
+    return arr if arr.base is None else arr.copy()
+
+
 def _ids(values: Any) -> np.ndarray:
-    """Token ids as int32 when every one fits, else int64."""
+    """Token ids as int32 when every one fits, else int64; an array of its own."""
     ids = np.ascontiguousarray(values, dtype=np.int64)
     if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
-        return ids
+        return _owned(ids)
     return ids.astype(np.int32)
 
 
-def _floats(values: Any) -> np.ndarray | None:
-    return None if values is None else np.ascontiguousarray(values, dtype=np.float64)
+def _floats(values: Any) -> np.ndarray:
+    return _owned(np.ascontiguousarray(values, dtype=np.float64))
 
 
 def _list(values: np.ndarray | None) -> list[Any] | None:
@@ -173,8 +179,9 @@ class RolloutRecord:
     float64, and the per-token weight-version labels run-length encoded in ``runs``,
     ``((label, count), ...)`` whose counts sum to the number of output tokens. Built from
     per-token ``versions`` (SGLang reports strings, e.g. ``"default"`` or ``"step-12"``) or
-    from ``runs``; `versions` gives them back per token. A record is never changed after it is
-    built, so the proxy's event loop and the joiner share it without copying.
+    from ``runs``; `versions` gives them back per token. Each array is the record's own (a view
+    is copied), so `nbytes` is what the record keeps alive. A record is never changed after it
+    is built, so the proxy's event loop and the joiner share it without copying.
 
     ``finish_reason`` is the engine's type (``stop``, ``length``, ``abort``). ``sampling``
     holds the request's sampling parameters as sent (vLLM proxy: ``temperature``, ``top_p``,
@@ -211,10 +218,11 @@ class RolloutRecord:
         self.rid = rid
         self.input_ids = None if input_ids is None else _ids(input_ids)
         self.output_ids = _ids(output_ids)
-        self.logp: np.ndarray = np.ascontiguousarray(logp, dtype=np.float64)
+        self.logp = _floats(logp)
         self.runs = runs_from_versions(versions or ()) if runs is None else runs
         self.finish_reason, self.weight_version = finish_reason, weight_version
-        self.entropy_lower, self.entropy_tail = _floats(entropy_lower), _floats(entropy_tail)
+        self.entropy_lower = None if entropy_lower is None else _floats(entropy_lower)
+        self.entropy_tail = None if entropy_tail is None else _floats(entropy_tail)
         self.entropy_source = entropy_source
         self.created = time.time() if created is None else created
         self.engine, self.sampling, self.logprobs_mode = engine, sampling, logprobs_mode

@@ -44,6 +44,10 @@ def test_take_answer_round_trips_every_field() -> None:
     got = decode_records(encode_records([(3, full), (0, bare), (7, x)]))
     assert got == [(3, full), (0, bare), (7, x)]
     assert decode_records(encode_records([])) == []
+    # each record owns its arrays: none keeps the whole answer's buffer alive through a view
+    for _, rec in got:
+        arrays = (rec.input_ids, rec.output_ids, rec.logp, rec.entropy_lower, rec.entropy_tail)
+        assert all(a.flags.owndata for a in arrays if a is not None), rec.rid
 
 
 @pytest.mark.parametrize("cut", [1, 8, -1])

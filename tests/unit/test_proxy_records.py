@@ -59,6 +59,13 @@ def test_a_record_holds_its_arrays_per_token_and_reads_back() -> None:
     assert rec.output_ids.dtype == np.int32 and rec.runs == (("a", 2), (None, 1))
     assert rec.versions == ("a", "a", None) and rec.versions_as_int() is None
     assert RolloutRecord.from_dict(rec.to_dict()) == rec
+    # arrays that are views of larger buffers (a reader's scratch, a peer's answer) are copied
+    scratch, ids = np.zeros(1000), np.arange(1000, dtype=np.int64) + 2**40
+    viewed = RolloutRecord("v", ids[:2], ids[:3], scratch[:3], runs=(("a", 3),),
+                           entropy_lower=scratch[3:6], entropy_tail=scratch[6:9])  # fmt: skip
+    arrays = (viewed.input_ids, viewed.output_ids, viewed.logp, viewed.entropy_lower)
+    assert all(a is not None and a.flags.owndata for a in (*arrays, viewed.entropy_tail))
+    assert viewed.nbytes == 4 * 3 * 8 + 2 * 8 + HELD_OVERHEAD_BYTES + 1 + 64  # int64 ids
     with pytest.raises(ValueError, match="logp has 2 entries"):
         RolloutRecord("r", None, [3, 4, 5], [-0.5, -1.0], ["a"] * 3)
     with pytest.raises(ValueError, match="versions do not cover 3 tokens"):
