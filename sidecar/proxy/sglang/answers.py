@@ -78,19 +78,14 @@ def answer_parts(
         return client, None
 
     def capture() -> None:
+        sample = SampleState()
         try:
             chunk, hole = read_bytes(content)
             meta = small_meta(content, hole)
+            sample.add(chunk, stream=False)  # neither raises NotFast
+            cap.finish(sample, meta, plan, 0)
         except NotFast:
             _answer_objects(cap, plan, content)
-            return
-        except (WireError, ValueError) as exc:
-            cap.wire_error("answer 0", exc)
-            return
-        sample = SampleState()
-        try:
-            sample.add(chunk, stream=False)
-            cap.finish(sample, meta, plan, 0)
         except (WireError, ValueError) as exc:
             cap.wire_error("answer 0", exc)
 
