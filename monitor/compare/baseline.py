@@ -137,29 +137,22 @@ class Baseline:
             if not isinstance(m, dict):
                 raise bad(f, "must be an object")
             nums = {}
-            for k in ("mean", "sd", "max_ratio", "max_abs"):
-                v = m.get(k)
+            for k in ("mean", "sd", "max_ratio", "max_abs", "run_sd"):
+                v = m.get(k, 0.0) if k == "run_sd" else m.get(k)  # absent: a file of one run
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise bad(f"{f}.{k}", "must be a finite number")
                 nums[k] = float(v)
-            n, runs, run_sd = m.get("n"), m.get("runs", 1), m.get("run_sd", 0.0)
+            n, runs = m.get("n"), m.get("runs", 1)
             if type(n) is not int or n < 1:
                 raise bad(f"{f}.n", "must be an integer ≥ 1")
             if type(runs) is not int or not 1 <= runs <= n:
                 raise bad(f"{f}.runs", "must be an integer from 1 to n")
-            if isinstance(run_sd, bool) or not isinstance(run_sd, (int, float)):
-                raise bad(f"{f}.run_sd", "must be a finite number")
-            if not (math.isfinite(run_sd) and run_sd >= 0):
-                raise bad(f"{f}.run_sd", "must be a finite number ≥ 0")
+            if nums["run_sd"] < 0:
+                raise bad(f"{f}.run_sd", "must be ≥ 0")
             if nums["sd"] < 0 or nums["max_abs"] < 0 or nums["max_ratio"] < 1:
                 raise bad(f, "needs sd ≥ 0, max_abs ≥ 0 and max_ratio ≥ 1")
             metrics[name] = MetricBaseline(
-                nums["mean"],
-                nums["sd"],
-                n,
-                nums["max_ratio"],
-                nums["max_abs"],
-                runs,
-                float(run_sd),
-            )
+                nums["mean"], nums["sd"], n, nums["max_ratio"], nums["max_abs"], runs,
+                nums["run_sd"],
+            )  # fmt: skip
         return cls(obj["model"], obj["engine"], obj["run"], (steps[0], steps[1]), metrics)
