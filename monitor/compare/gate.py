@@ -2,16 +2,26 @@
 
 A metric passes when the candidate's mean over its steps is at most
 
-    limit = max(mean₀ · max_ratio, mean₀ + max_abs) + Z · √(sd₀²/n₀ + sd₁²/n₁ + s_r² (1 + 1/R))
+    limit = bound + Z · √(sd₀²/n₀ + sd_b²/n₁ + s_r² (1 + 1/R)),
+    bound = max(mean₀ · max_ratio, mean₀ + max_abs)
 
 where mean₀, sd₀, n₀ are the baseline's mean, step-to-step standard deviation and step count,
-sd₁, n₁ the candidate's, and s_r the standard deviation of the means of the baseline's R runs
-(0 for a baseline of one run): the bound the baseline file sets, plus a tolerance of `Z`
+n₁ the candidate's step count, and s_r the standard deviation of the means of the baseline's R
+runs (0 for a baseline of one run): the bound the baseline file sets, plus a tolerance of `Z`
 standard errors of the difference of the two means, so that step-to-step noise alone, and with
 several baseline runs the run-to-run spread they show, does not fail a run (every gated metric
-is a mismatch: lower is better, only the upper side is gated). The gate
-passes when every metric passes. Errors (`InputError`, exit 2 in the CLI): a candidate with no
-steps, a gated metric the candidate has no value of, a baseline for another model or engine.
+is a mismatch: lower is better, only the upper side is gated).
+
+The candidate's standard error is the one it would have at the bound: sd_b is the baseline's
+step sd scaled to the bound, sd₀ · max_ratio where the ratio sets the bound and sd₀ where the
+absolute allowance does (a control chart's limits, set by the in-control runs), never the
+candidate's own sd. A candidate's own sd grows with its level, so with it any run whose steps
+vary by more than √n₁/Z of their mean would pass however far above the bound it is (a bf16
+engine at 10⁹× an fp32 baseline did, over 6 steps). Only where the baseline shows no step
+variance at all (sd₀ = 0, e.g. a mask ratio that stayed 0) is the candidate's own sd used, as
+there is no scale to take from the baseline. The gate passes when every metric passes. Errors
+(`InputError`, exit 2 in the CLI): a candidate with no steps, a gated metric the candidate has
+no value of, a baseline for another model or engine.
 """
 
 from __future__ import annotations
@@ -44,10 +54,19 @@ class Check:
     n: int
 
     @property
+    def null_sd(self) -> float:
+        """The step sd taken for the candidate: the baseline's, scaled to the bound (the
+        candidate's own where the baseline has none)."""
+        b = self.baseline
+        if b.sd == 0:
+            return self.sd
+        return b.sd * (b.max_ratio if b.mean * b.max_ratio >= b.mean + b.max_abs else 1.0)
+
+    @property
     def noise(self) -> float:
         b = self.baseline
         spread = b.run_sd**2 * (1 + 1 / b.runs)
-        return Z * math.sqrt(b.sd**2 / b.n + self.sd**2 / self.n + spread)
+        return Z * math.sqrt(b.sd**2 / b.n + self.null_sd**2 / self.n + spread)
 
     @property
     def bound(self) -> float:
@@ -70,7 +89,8 @@ class Check:
         return {
             "metric": self.metric, "passed": self.passed, "candidate": self.mean,
             "baseline": self.baseline.mean, "ratio": self.ratio, "limit": self.limit,
-            "bound": self.bound, "noise": self.noise, "steps": self.n,
+            "bound": self.bound, "noise": self.noise, "steps": self.n, "sd": self.sd,
+            "null_sd": self.null_sd,
             "max_ratio": self.baseline.max_ratio, "max_abs": self.baseline.max_abs,
             "baseline_runs": self.baseline.runs, "run_sd": self.baseline.run_sd,
         }  # fmt: skip

@@ -58,4 +58,7 @@ def test_gate_passes_20_of_20_seeds_with_no_real_difference(tmp_path: Path) -> N
     # above an fp32 baseline from the same seed
     write_demo_run(tmp_path, "fp32", seed=0, steps=STEPS, precision="fp32", lag=0)
     fp32 = make_baseline(load_batch_dir(tmp_path, "fp32"), model="tiny-lm", engine="e")
-    assert not gate(load_batch_dir(tmp_path, "s1"), fp32).passed
+    bad = gate(load_batch_dir(tmp_path, "s1"), fp32)
+    print("bf16 against fp32: " + ", ".join(f"{c.metric} {c.mean / c.limit:.2g}× its limit"
+                                            for c in bad.checks if c.limit > 0))  # fmt: skip
+    assert not bad.passed

@@ -42,19 +42,44 @@ def test_limit_and_verdict_hand_computed() -> None:
     b = base.metrics["mismatch_kl"]
     assert (b.mean, b.n) == (2.0, 4)
     assert b.sd == pytest.approx(math.sqrt(2 / 3), rel=1e-15)
-    # candidate 3, 3, 3, 3: sd 0 → noise = 3·√(2/3/4) = 1.2247; bound max(2·1.5, 2+0) = 3
+    # bound max(2·1.5, 2+0) = 3, set by the ratio: the candidate's sd at the bound is
+    # 1.5·√(2/3) = √1.5, whatever its own (0 here): noise = 3·√(2/3/4 + 1.5/4) = 3·√(13/24)
+    # = 2.2079
     res = gate(series("b", [3.0] * 4), base)
     c = res.checks[0]
-    assert c.noise == pytest.approx(Z * math.sqrt((2 / 3) / 4), rel=1e-15)
-    assert c.limit == pytest.approx(3.0 + 1.224744871391589, rel=1e-12)
+    assert (c.sd, c.null_sd) == (0.0, pytest.approx(math.sqrt(1.5), rel=1e-15))
+    assert c.noise == pytest.approx(Z * math.sqrt(13 / 24), rel=1e-15)
+    assert c.limit == pytest.approx(3.0 + 2.2079402165819615, rel=1e-12)
     assert res.passed and res.exit_code == 0
-    # 4.3 is above 4.2247: fails
-    res = gate(series("c", [4.3] * 4), base)
+    # 5.21 is above 5.2079: fails
+    res = gate(series("c", [5.21] * 4), base)
     assert not res.passed and res.exit_code == 1
-    # an absolute allowance wider than the ratio decides: max(2·1.5, 2+3) = 5
-    wide = Baseline("m", "e", "a", (0, 3), {"mismatch_kl": MetricBaseline(2.0, 0.0, 4, 1.5, 3.0)})
-    assert gate(series("c", [4.3] * 4), wide).passed
-    assert not gate(series("c", [5.01] * 4), wide).passed
+    # an absolute allowance wider than the ratio decides: max(2·1.5, 2+3) = 5, and the
+    # candidate's sd is the baseline's unscaled: noise 3·√(2/3/4 + 2/3/4) = 3·√(1/3) = 1.7321
+    wide = make_baseline(series("a", [1.0, 2.0, 2.0, 3.0]), model="m", engine="e", max_abs=3.0)
+    c = gate(series("c", [6.7] * 4), wide).checks[0]
+    assert c.null_sd == pytest.approx(math.sqrt(2 / 3), rel=1e-15)
+    assert c.limit == pytest.approx(5.0 + 1.7320508075688772, rel=1e-12) and c.passed
+    assert not gate(series("c", [6.74] * 4), wide).passed
+
+
+def test_a_noisy_candidate_cannot_excuse_a_mean_far_above_the_bound() -> None:
+    # the vLLM tier's case: an fp32 baseline at ~1e-12 per step, a bf16 candidate at ~1e-3
+    # whose steps vary by twice their mean (sd/mean 2.2 over 6 steps). With the candidate's
+    # own sd the noise would be 3·sd₁/√6 = 2.7·mean₁ and the run would pass.
+    base = make_baseline(series("a", [2.4e-12, 2.5e-12, 2.6e-12, 2.5e-12]), model="m", engine="e")
+    bf16 = [1e-4, 2e-4, 1.5e-4, 3e-4, 9e-3, 2e-4]
+    c = gate(series("b", bf16), base).checks[0]
+    assert Z * c.sd / math.sqrt(6) > c.mean  # the old noise term alone would have passed it
+    assert c.noise < 1e-12 and not c.passed
+    # where the baseline shows no variance (a mask ratio that stayed 0 in every step) there is
+    # no scale to take from it, and a candidate with one masked token in 20 steps is noise:
+    # its own sd is used (mean 0.0006, sd 0.0027: noise 3·0.0027/√20 = 0.0018)
+    zero = make_baseline(series("a", [0.0] * 20), model="m", engine="e")
+    one = [0.0] * 19 + [0.012]
+    c = gate(series("b", one), zero).checks[0]
+    assert c.null_sd == c.sd == pytest.approx(0.012 / math.sqrt(20), rel=1e-12)
+    assert c.passed and not gate(series("b", [0.012] * 20), zero).passed
 
 
 def test_baseline_of_several_runs_hand_computed() -> None:
@@ -68,10 +93,11 @@ def test_baseline_of_several_runs_hand_computed() -> None:
     assert b.run_sd == pytest.approx(math.sqrt(8.0), rel=1e-15)
     assert b.sd == pytest.approx(math.sqrt(10 / 3), rel=1e-15)
     assert base.run == "a, b" and base.steps == (0, 2)
-    # candidate 6, 6: noise = 3·√(10/3/5 + 0 + 8·(1 + 1/2)) = 3·√(12.6667) = 10.677
+    # candidate 6, 6: its sd at the bound 1.5·√(10/3), so
+    # noise = 3·√(10/3/5 + 2.25·10/3/2 + 8·(1 + 1/2)) = 3·√(16.4167) = 12.155
     c = gate(series("c", [6.0, 6.0]), base).checks[0]
-    assert c.noise == pytest.approx(Z * math.sqrt(10 / 3 / 5 + 8.0 * 1.5), rel=1e-15)
-    assert c.limit == pytest.approx(6.0 + 10.677078252031311, rel=1e-12)
+    assert c.noise == pytest.approx(Z * math.sqrt(10 / 3 / 5 + 7.5 / 2 + 8.0 * 1.5), rel=1e-15)
+    assert c.limit == pytest.approx(6.0 + 12.155245781143218, rel=1e-12)
     # one run: the spread term is 0, the limit is the one-run formula
     one = make_baseline([series("a", [1.0, 3.0])], model="m", engine="e")
     assert (
