@@ -131,7 +131,6 @@ def sglang(
         raise typer.BadParameter("--peer needs --monitor (peers join trainer reports)")
     app = create_app(
         upstream,
-        monitor=monitor,
         topk=topk,
         probe_rate=probe_rate,
         vocab_size=vocab_size,
@@ -200,7 +199,6 @@ def vllm(
     _check_runs(run)
     app = create_app(
         upstream,
-        monitor=monitor,
         logprobs_mode=logprobs_mode,
         timeout_s=timeout_s,
         ttl_s=ttl_s,

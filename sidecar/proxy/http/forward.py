@@ -11,11 +11,9 @@ passed back with its status, headers and body unchanged. The proxy state is
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -53,8 +51,6 @@ RESPONSE_DROP = HOP_BY_HOP | {"date", "server"}
 # the client sets a request's framing itself
 REQUEST_DROP = HOP_BY_HOP | {"content-length", "expect"}
 ALL_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
-
-log = logging.getLogger(__name__)
 
 
 def _request_headers(request: Request, drop: frozenset[str]) -> list[tuple[str, str]]:
@@ -109,15 +105,6 @@ async def passthrough(request: Request) -> Response:
     return await relay(state, request, request.stream(), request.url.path)
 
 
-async def _run_now(capture: Callable[[], None]) -> None:
-    # async, so Starlette runs it in the request's own task right after the last byte is
-    # written, before the loop serves anything else (a sync one would go to a thread)
-    try:
-        capture()
-    except Exception:  # as in `DeferredCaptures`: uvicorn would close the client's connection
-        log.exception("capture failed")
-
-
 async def forward_planned(
     state: ProxyState,
     request: Request,
@@ -134,10 +121,9 @@ async def forward_planned(
     ``stream_sink`` (the proxy changed nothing in the request), piece by piece as it arrived,
     each piece fed after it went out to what ``stream_sink`` makes. Any other 200 answer is
     read whole and ``answer`` gives the client's bytes and the capture to run after they are
-    written (by ``state.deferred`` when it has one). Failures and non-200 answers count as
+    written (by ``state.deferred``). Failures and non-200 answers count as
     ``upstream_errors``; a non-200 answer is passed back as it came.
     """
-    deferred = state.deferred
     try:
         resp = await state.client().request(
             request.method,
@@ -145,7 +131,7 @@ async def forward_planned(
             # the proxy parses the answers to planned requests, so it asks for them plain
             _request_headers(request, REQUEST_DROP | {"accept-encoding"}),
             content,
-            sent=None if deferred is None else deferred.flush,
+            sent=state.deferred.flush,
         )
         if (
             resp.status == 200
@@ -175,15 +161,9 @@ async def forward_planned(
         state.counters["upstream_errors"] += 1
         return Response(body, status_code=resp.status, headers=_answer_headers(resp, True))
     client, capture = answer(body)
-    if capture is not None and deferred is not None:
-        deferred.add(capture)
-        capture = None
-    return Response(
-        client,
-        status_code=resp.status,
-        headers=_answer_headers(resp, False),
-        background=None if capture is None else BackgroundTask(_run_now, capture),
-    )
+    if capture is not None:
+        state.deferred.add(capture)
+    return Response(client, status_code=resp.status, headers=_answer_headers(resp, False))
 
 
 async def records(request: Request) -> Response:

@@ -74,17 +74,14 @@ class ProxyState:
         self,
         upstream: str,
         *,
-        monitor: str | None,
         capture: CaptureStore,
         timeout_s: float | None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
-        self.monitor = monitor
         self.capture = capture
         self.timeout_s = timeout_s
         self._client: Upstream | None = None
-        # the SGLang proxy sets one (create_app); the vLLM proxy captures right after sending
-        self.deferred: DeferredCaptures | None = None
+        self.deferred = DeferredCaptures()
         # whether its records carry top-k entropy bounds (the join then reports the rollout's)
         self.rollout_entropy = False
         self.counters = {
@@ -100,31 +97,26 @@ class ProxyState:
             raise RuntimeError("proxy client not started (lifespan not run)")
         return self._client
 
-    def set_client(self, client: Upstream | None) -> None:
-        self._client = client
-
     def commit(self, record: RolloutRecord) -> None:
         self.capture.add(record)
 
 
 def settle_captures(state: ProxyState) -> None:
     """Run the captures still deferred: every reader of the capture store calls this first."""
-    if state.deferred is not None:
-        state.deferred.flush()
+    state.deferred.flush()
 
 
 @asynccontextmanager
-async def serving(state: ProxyState) -> AsyncIterator[Upstream]:
+async def serving(state: ProxyState) -> AsyncIterator[None]:
     """The proxy's lifetime, inside its app's lifespan: the upstream client is opened on
     ``state``; on exit the captures still deferred run, then the client is closed."""
-    client = Upstream(state.upstream, timeout_s=state.timeout_s)
-    state.set_client(client)
+    client = state._client = Upstream(state.upstream, timeout_s=state.timeout_s)
     try:
         # Everything allocated so far lives as long as the proxy: keep it out of the
         # collector's scans, which then only walk what requests allocate.
         gc.freeze()
-        yield client
+        yield
     finally:
         settle_captures(state)
         await client.aclose()
-        state.set_client(None)
+        state._client = None

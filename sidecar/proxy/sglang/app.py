@@ -31,7 +31,7 @@ from starlette.routing import Route
 from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
 from ..http.forward import forward_planned, proxy_routes, relay
 from ..http.relay import ProxyApp
-from ..http.state import DeferredCaptures, ProxyState, serving
+from ..http.state import ProxyState, serving
 from ..records import RolloutRecord
 from .answers import Capturer, answer_parts
 from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
@@ -45,13 +45,13 @@ log = logging.getLogger(__name__)
 
 class SglangState(ProxyState):
     """A `ProxyState` with what only the SGLang proxy holds: the top-k it asks for, the
-    vocabulary size, the prober and its sink, and the `Capturer` its answers go to."""
+    prober and its sink, and the `Capturer` its answers go to (which knows the vocabulary
+    size)."""
 
     def __init__(
         self,
         upstream: str,
         *,
-        monitor: str | None,
         topk: int | None,
         probe_rate: float,
         vocab_size: int | None,
@@ -60,11 +60,10 @@ class SglangState(ProxyState):
     ) -> None:
         if topk is not None and topk <= 0:
             raise ValueError(f"topk must be a positive integer, got {topk}")
-        super().__init__(upstream, monitor=monitor, capture=capture, timeout_s=timeout_s)
+        super().__init__(upstream, capture=capture, timeout_s=timeout_s)
         self.topk = topk
         self.rollout_entropy = topk is not None
         self.probe_rate = probe_rate
-        self.vocab_size = vocab_size
         self.prober: Prober | None = None
         self.probe_sink: ProbeSink | None = None  # set before start by install_probe_forward
         self.capturer = Capturer(self.commit, self.counters, vocab_size)
@@ -112,10 +111,9 @@ async def _probes(request: Request) -> Response:
 
 def create_app(
     upstream: str,
-    monitor: str | None = None,
+    *,
     topk: int | None = None,
     probe_rate: float = 0.0,
-    *,
     vocab_size: int | None = None,
     capture: CaptureStore | None = None,
     timeout_s: float | None = None,
@@ -129,27 +127,25 @@ def create_app(
         capture = CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
     state = SglangState(
         upstream,
-        monitor=monitor,
         topk=topk,
         probe_rate=probe_rate,
         vocab_size=vocab_size,
         capture=capture,
         timeout_s=timeout_s,
     )
-    deferred = state.deferred = DeferredCaptures()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with serving(state) as client:
+        async with serving(state):
             if probe_rate > 0.0:
                 state.prober = Prober(
-                    client,
+                    state.client(),
                     probe_rate,
                     topk=topk or DEFAULT_PROBE_TOPK,
                     sink=state.probe_sink,
                 )
             yield
-            deferred.flush()  # before the prober drains: a capture may start a probe
+            state.deferred.flush()  # before the prober drains: a capture may start a probe
             if state.prober is not None:
                 await state.prober.drain()
 

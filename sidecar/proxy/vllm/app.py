@@ -20,9 +20,6 @@ Trainer reports are installed on top by `proxy.join.http.install_join`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -31,7 +28,7 @@ from starlette.routing import Route
 from ....monitor.core.jsoncodec import dumps, loads
 from ..capture import DEFAULT_MAX_HELD_BYTES, CaptureStore
 from ..http.forward import forward_planned, proxy_routes, relay
-from ..http.state import ProxyState, serving
+from ..http.state import ProxyState, serving, settle_captures
 from .capture import (
     COUNTER_NAMES,
     VllmCapturer,
@@ -61,12 +58,11 @@ class VllmState(ProxyState):
         self,
         upstream: str,
         *,
-        monitor: str | None,
         logprobs_mode: str,
         capture: CaptureStore,
         timeout_s: float | None,
     ) -> None:
-        super().__init__(upstream, monitor=monitor, capture=capture, timeout_s=timeout_s)
+        super().__init__(upstream, capture=capture, timeout_s=timeout_s)
         for name in _COUNTERS:
             self.counters.setdefault(name, 0)
         self.capturer = VllmCapturer(self.commit, self.counters, logprobs_mode)
@@ -97,6 +93,7 @@ async def _endpoint(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     state: VllmState = request.app.state.proxy
+    settle_captures(state)
     lines = []
     help_ = {
         "requests": "Requests to the captured endpoints.",
@@ -125,7 +122,6 @@ async def _metrics(request: Request) -> Response:
 
 def create_app(
     upstream: str,
-    monitor: str | None = None,
     *,
     logprobs_mode: str = "raw_logprobs",
     capture: CaptureStore | None = None,
@@ -141,21 +137,15 @@ def create_app(
         capture = CaptureStore(ttl_s=ttl_s, max_held_bytes=max_held_bytes)
     state = VllmState(
         upstream,
-        monitor=monitor,
         logprobs_mode=logprobs_mode,
         capture=capture,
         timeout_s=timeout_s,
     )
 
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with serving(state):
-            yield
-
     routes = proxy_routes(
         Route("/timwatch/metrics", _metrics, methods=["GET"]),
         *(Route(path, _endpoint, methods=["POST"]) for path in ENDPOINTS),
     )
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lambda app: serving(state))
     app.state.proxy = state
     return app
