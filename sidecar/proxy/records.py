@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from itertools import groupby
 from typing import Any
 
 import numpy as np
@@ -102,35 +103,18 @@ def version_runs(spans: Any, n: int, default: str | None) -> tuple[tuple[str | N
     for start, end, label in valid:
         labels.append(label)
         which[start:end] = len(labels) - 1
-    cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), n]
-    runs: list[tuple[str | None, int]] = []
-    for lo, hi in zip(cuts, cuts[1:], strict=False):
-        label = labels[int(which[lo])]
-        if runs and runs[-1][0] == label:
-            runs[-1] = (label, runs[-1][1] + hi - lo)
-        else:
-            runs.append((label, hi - lo))
-    return tuple(runs)
+    return runs_from_versions([labels[i] for i in which.tolist()])
 
 
 def runs_from_versions(versions: Sequence[str | None]) -> tuple[tuple[str | None, int], ...]:
     """Per-token version labels run-length encoded, ``((label, count), ...)``: `RolloutRecord.runs`
     and the peers' take answer hold them so."""
-    runs: list[list[Any]] = []
-    for label in versions:
-        if runs and runs[-1][0] == label:
-            runs[-1][1] += 1
-        else:
-            runs.append([label, 1])
-    return tuple((label, count) for label, count in runs)
+    return tuple((label, sum(1 for _ in same)) for label, same in groupby(versions))
 
 
 def versions_from_runs(runs: Sequence[Sequence[Any]]) -> tuple[str | None, ...]:
     """Inverse of `runs_from_versions`: one label per token."""
-    versions: list[str | None] = []
-    for label, count in runs:
-        versions += [label] * int(count)
-    return tuple(versions)
+    return tuple(label for label, count in runs for _ in range(int(count)))
 
 
 def version_as_int(label: str | None) -> int | None:

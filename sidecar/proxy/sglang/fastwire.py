@@ -27,8 +27,8 @@ import orjson
 
 from ....monitor.core.errors import NotFast
 from .. import native
-from .keyspan import _LB, Hole, _u8, finished, int_value, stream_index, value_span
-from .wire import Chunk, RequestPlan, WireError
+from .keyspan import _LB, Hole, _u8, finished, int_value, value_span
+from .wire import LOGPROB_PREFIXES, TOP_KEYS, Chunk, RequestPlan, WireError
 
 __all__ = [
     "NotFast",
@@ -38,21 +38,13 @@ __all__ = [
     "read_bytes",
     "restore",
     "small_meta",
-    "stream_index",
     "value_span",
 ]
 
-# The logprob-bearing keys SGLang writes into meta_info (sglang_wire._LOGPROB_PREFIXES).
-_LOGPROB_KEYS = (
-    b"input_token_logprobs",
-    b"output_token_logprobs",
-    b"output_token_logprobs_length",
-    b"input_top_logprobs",
-    b"output_top_logprobs",
-    b"input_token_ids_logprobs",
-    b"output_token_ids_logprobs",
-)
-_TOP_KEYS = (b"input_top_logprobs", b"output_top_logprobs")
+# The logprob-bearing keys SGLang writes into meta_info: the object path's prefixes, each a
+# whole key here, and the one key that only extends a prefix.
+_LOGPROB_KEYS = (*(k.encode() for k in LOGPROB_PREFIXES), b"output_token_logprobs_length")
+_TOP_KEYS = tuple(k.encode() for k in TOP_KEYS)
 # Values cut out before the rest of a finished chunk is parsed for its small fields.
 _BULK_KEYS = (
     b"output_ids",
@@ -153,13 +145,6 @@ def small_meta(buf: bytes, hole: Hole = None) -> dict[str, Any]:
     return meta
 
 
-def _without(buf: bytes, k: int, e: int) -> tuple[int, int]:
-    """The byte range to delete for the member ``"key":value`` at ``buf[k:e]``."""
-    if buf[k - 1 : k] != b",":
-        raise NotFast("a removed member is the first of its object")
-    return k - 1, e
-
-
 def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
     """One sample's answer or chunk as the client's own request would have had it."""
     cuts: list[tuple[int, int, bytes]] = []
@@ -183,9 +168,7 @@ def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
                     rows = [r[:k0] if isinstance(r, list) else r for r in rows]
                 cuts.append((span[1], span[2], orjson.dumps(rows)))
     if plan.added_prompt_ids:
-        span = value_span(buf, b"prompt_token_ids", hole=hole)
-        if span is not None:
-            cuts.append((*_without(buf, span[0], span[2]), b""))
+        cuts += _drops(buf, (b"prompt_token_ids",), hole)
     if not cuts:
         return buf
     cuts.sort()
@@ -200,9 +183,12 @@ def restore(buf: bytes, plan: RequestPlan, item: int) -> bytes:
 
 
 def _drops(buf: bytes, keys: tuple[bytes, ...], hole: Hole = None) -> list[tuple[int, int, bytes]]:
+    """The byte ranges that delete each member ``,"key":value`` present (empty replacements)."""
     out = []
     for key in keys:
         span = value_span(buf, key, hole=hole)
         if span is not None:
-            out.append((*_without(buf, span[0], span[2]), b""))
+            if buf[span[0] - 1 : span[0]] != b",":
+                raise NotFast("a removed member is the first of its object")
+            out.append((span[0] - 1, span[2], b""))
     return out

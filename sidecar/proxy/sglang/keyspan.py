@@ -15,7 +15,7 @@ import numpy as np
 
 from ....monitor.core.errors import NotFast
 
-__all__ = ["Hole", "value_span", "finished", "int_value", "stream_index"]
+__all__ = ["Hole", "value_span", "finished", "int_value"]
 
 _LB, _RB, _COMMA = 91, 93, 44
 
@@ -30,25 +30,22 @@ def _u8(buf: bytes) -> np.ndarray:
 Hole = tuple[int, int] | None
 
 
-def _find(buf: bytes, pat: bytes, hole: Hole, lo: int = 0) -> int:
+def _find(buf: bytes, pat: bytes, hole: Hole) -> int:
     if hole is None:
-        return buf.find(pat, lo)
-    if lo < hole[0]:
-        k = buf.find(pat, lo, hole[0])
-        if k >= 0:
-            return k
-    return buf.find(pat, max(lo, hole[1]))
+        return buf.find(pat)
+    k = buf.find(pat, 0, hole[0])
+    return k if k >= 0 else buf.find(pat, hole[1])
 
 
 def value_span(
-    buf: bytes, key: bytes, lo: int = 0, *, check: bool = True, hole: Hole = None
+    buf: bytes, key: bytes, *, check: bool = True, hole: Hole = None
 ) -> tuple[int, int, int] | None:
     """``(key_start, value_start, value_end)`` of a quote-free value, None if the key is absent.
 
     With ``check``, raises `NotFast` if the value is not bracket-balanced (it held a string).
     ``hole``: a span known to hold no key (skipped by the search; the value if it starts there)."""
     pat = b'"' + key + b'":'
-    k = _find(buf, pat, hole, lo)
+    k = _find(buf, pat, hole)
     if k < 0:
         return None
     v = k + len(pat)
@@ -83,16 +80,6 @@ def finished(frame: bytes) -> bool:
     if c in (b"{", b'"'):
         return True
     raise NotFast("finish_reason not compact JSON")
-
-
-def stream_index(frame: bytes) -> int:
-    span = value_span(frame, b"index", check=False)
-    if span is None:
-        return 0
-    try:
-        return int(frame[span[1] : span[2]])
-    except ValueError:
-        raise NotFast("index is not an int") from None
 
 
 def int_value(buf: bytes, key: bytes) -> int | None:

@@ -34,7 +34,6 @@ from .fastwire import (
     read_bytes,
     restore,
     small_meta,
-    stream_index,
 )
 from .wire import (
     Chunk,
@@ -143,7 +142,7 @@ class _Stream:
         if self.indexed is None:
             self.indexed = payload.find(b'"index":') >= 0
         try:
-            idx = stream_index(payload)
+            idx = int_value(payload, b"index") or 0
         except NotFast:
             return self._objects(frame, payload)
         if idx in self.on_objects:

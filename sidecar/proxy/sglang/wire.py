@@ -42,6 +42,8 @@ from ....monitor.core.errors import WireError
 from ..records import RolloutRecord, topk_entropy_bounds, version_runs
 
 __all__ = [
+    "LOGPROB_PREFIXES",
+    "TOP_KEYS",
     "WireError",
     "parse_logprob_triples",
     "RequestPlan",
@@ -56,7 +58,8 @@ __all__ = [
     "outputs_of",
 ]
 
-_LOGPROB_PREFIXES = (
+#: the meta_info keys that hold log-probs (as prefixes), and those that hold top-k rows
+LOGPROB_PREFIXES = (
     "input_token_logprobs",
     "output_token_logprobs",
     "input_top_logprobs",
@@ -64,7 +67,7 @@ _LOGPROB_PREFIXES = (
     "input_token_ids_logprobs",
     "output_token_ids_logprobs",
 )
-_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
+TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
 _FLAT_FLAGS = (
     "return_flat_raw_top_logprobs",
     "return_flat_raw_output_top_logprobs",
@@ -91,13 +94,11 @@ class RequestPlan:
     """What the proxy changed in one ``/generate`` request, and how to undo it per sample."""
 
     body: dict[str, Any]
-    is_batch: bool
     num_prompts: int
     n: int
     stream: bool
     want_logprob: list[bool]
     want_topk: list[int]
-    upstream_topk: int
     added_logprob: bool
     raised_topk: bool
     added_prompt_ids: bool
@@ -119,17 +120,17 @@ class RequestPlan:
             return
         item = self.prompt_index(output_index)
         if not self.want_logprob[item]:
-            for key in [k for k in meta if k.startswith(_LOGPROB_PREFIXES)]:
+            for key in [k for k in meta if k.startswith(LOGPROB_PREFIXES)]:
                 del meta[key]
             return
         if not self.raised_topk:
             return
         k0 = self.want_topk[item]
         if k0 <= 0:
-            for key in [k for k in meta if k.startswith(_TOP_KEYS)]:
+            for key in [k for k in meta if k.startswith(TOP_KEYS)]:
                 del meta[key]
             return
-        for key in _TOP_KEYS:
+        for key in TOP_KEYS:
             rows = meta.get(key)
             if isinstance(rows, list):
                 meta[key] = [row[:k0] if isinstance(row, list) else row for row in rows]
@@ -174,7 +175,6 @@ def plan_request(body: Any, topk: int | None) -> RequestPlan | None:
                 new["return_text_in_logprobs"] = False
             new.pop("token_ids_logprob", None)
     raised_topk = False
-    upstream_topk = max(want_topk)
     if topk and not any(body.get(flag) for flag in _FLAT_FLAGS):
         raised: int | list[int] = (
             [max(int(v or 0), topk) for v in tk]
@@ -185,19 +185,16 @@ def plan_request(body: Any, topk: int | None) -> RequestPlan | None:
         if raised_topk or added_logprob:
             new["top_logprobs_num"] = raised
             raised_topk = True
-        upstream_topk = max(upstream_topk, topk)
     added_prompt_ids = input_ids is None and not body.get("return_prompt_token_ids")
     if added_prompt_ids:
         new["return_prompt_token_ids"] = True
     return RequestPlan(
         body=new,
-        is_batch=is_batch,
         num_prompts=num_prompts,
         n=n,
         stream=bool(body.get("stream")),
         want_logprob=want_logprob,
         want_topk=want_topk,
-        upstream_topk=upstream_topk,
         added_logprob=added_logprob,
         raised_topk=raised_topk,
         added_prompt_ids=added_prompt_ids,
