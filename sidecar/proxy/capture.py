@@ -4,7 +4,7 @@ The join finds a record either by the engine's request id (frameworks that keep 
 ``meta_info.id``) or by the sampled token ids (frameworks that only keep tokens). Records that
 no trainer report claims within ``ttl_s`` expire and are counted, so a sidecar in front of an
 engine whose samples are filtered out (rejected rollouts, eval traffic) stays bounded; the
-``max_records`` cap and the ``max_held_bytes`` bound evict the oldest first for the same reason
+`MAX_RECORDS` cap and the ``max_held_bytes`` bound evict the oldest first for the same reason
 (``evicted`` counts them, ``evicted_bytes`` their bytes; ``held_bytes`` is what is held now).
 A record's arrays take about 28 bytes per token (`RolloutRecord.nbytes`), so the byte bound
 is what the records really cost.
@@ -27,6 +27,8 @@ from .records import RolloutRecord
 __all__ = ["CaptureStore", "CaptureCounters", "DEFAULT_MAX_HELD_BYTES"]
 
 DEFAULT_MAX_HELD_BYTES = 2 << 30
+#: records held at most, whatever their bytes
+MAX_RECORDS = 200_000
 
 
 @dataclass
@@ -50,18 +52,14 @@ class CaptureStore:
         self,
         *,
         ttl_s: float = 900.0,
-        max_records: int = 200_000,
         max_held_bytes: int = DEFAULT_MAX_HELD_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        if max_records <= 0:
-            raise ValueError(f"max_records must be > 0, got {max_records}")
         if max_held_bytes <= 0:
             raise ValueError(f"max_held_bytes must be > 0, got {max_held_bytes}")
         self.ttl_s = ttl_s
-        self.max_records = max_records
         self.max_held_bytes = max_held_bytes
         self._clock = clock
         self._lock = threading.Lock()
@@ -76,7 +74,7 @@ class CaptureStore:
 
     def add(self, record: RolloutRecord) -> None:
         """Store a record; a second record with the same rid replaces the first. Then the
-        oldest records are evicted until both ``max_records`` and ``max_held_bytes`` hold (a
+        oldest records are evicted until both `MAX_RECORDS` and ``max_held_bytes`` hold (a
         single record larger than the byte bound is evicted at once, and counted)."""
         key = hash(record.token_key())
         with self._lock:
@@ -89,8 +87,7 @@ class CaptureStore:
             self.counters.captured += 1
             self.counters.held_bytes += record.nbytes
             while self._by_rid and (
-                len(self._by_rid) > self.max_records
-                or self.counters.held_bytes > self.max_held_bytes
+                len(self._by_rid) > MAX_RECORDS or self.counters.held_bytes > self.max_held_bytes
             ):
                 gone = self._remove_locked(next(iter(self._by_rid)))
                 self.counters.evicted += 1
@@ -100,9 +97,7 @@ class CaptureStore:
         with self._lock:
             self._expire_locked(self._clock())
             held = self._remove_locked(rid)
-            if held is None:
-                return None
-            self.counters.popped += 1
+            self.counters.popped += held is not None
         return held
 
     def pop_by_tokens(self, output_ids: Sequence[int]) -> RolloutRecord | None:
@@ -152,10 +147,8 @@ class CaptureStore:
         key = hash(record.token_key())
         rids = self._by_tokens.get(key)
         if rids is not None:
-            try:
+            if rid in rids:
                 rids.remove(rid)
-            except ValueError:
-                pass
             if not rids:
                 del self._by_tokens[key]
         return record

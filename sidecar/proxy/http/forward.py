@@ -138,18 +138,14 @@ async def forward_planned(
             and stream
             and resp.header("content-type").startswith("text/event-stream")
         ):
-            headers = _answer_headers(resp, False)
-            if stream_sink is not None:
-                sink = stream_sink()
-                return RawStream(
-                    resp, status_code=200, headers=headers, counters=state.counters, sink=sink
-                )
-            return UpstreamStream(
+            sink = None if stream_sink is None else stream_sink()
+            return RawStream(
                 resp,
                 status_code=200,
-                headers=headers,
+                headers=_answer_headers(resp, False),
                 counters=state.counters,
-                transform=relay_chunks,
+                transform=relay_chunks if sink is None else None,
+                sink=sink,
             )
         try:
             body = await resp.read()

@@ -53,7 +53,8 @@ class UpstreamStream(Response):
 
     ``transform`` rewrites the body pieces (a proxy's stream capture that changes bytes);
     without it each piece goes out as it came and is then fed to ``sink``, if any.
-    ``counters`` gets ``partial_streams`` and ``upstream_errors`` for a body that broke off."""
+    ``counters`` (a `ProxyState`'s) gets ``partial_streams`` and ``upstream_errors`` for a body
+    that broke off."""
 
     def __init__(
         self,
@@ -93,11 +94,8 @@ class UpstreamStream(Response):
                     if sink is not None:
                         sink(piece)
         except UpstreamError as exc:
-            if self.client_gone:
-                return
-            self.counters["upstream_errors"] = self.counters.get("upstream_errors", 0) + 1
-            self.counters["partial_streams"] = self.counters.get("partial_streams", 0) + 1
-            log.warning("upstream answer broke off after its head was relayed: %s", exc)
+            if not self.client_gone:
+                self._broke_off(exc)
             return  # no end of the body: the server closes the client's connection short
         finally:
             watch.cancel()
@@ -105,6 +103,11 @@ class UpstreamStream(Response):
             if self.sink is not None:
                 self.sink.close()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _broke_off(self, exc: UpstreamError) -> None:
+        self.counters["upstream_errors"] += 1
+        self.counters["partial_streams"] += 1
+        log.warning("upstream answer broke off after its head was relayed: %s", exc)
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -164,7 +167,7 @@ class RawStream(UpstreamStream):
             return
         feed, upstream = self.sink, self.upstream
         assert feed is not None
-        self.counters["raw_streams"] = self.counters.get("raw_streams", 0) + 1
+        self.counters["raw_streams"] += 1
         try:
             head = {"status": self.status_code, "headers": self.raw_headers}
             await send({"type": "http.response.start", **head})
@@ -197,9 +200,7 @@ class RawStream(UpstreamStream):
                     return
                 upstream.resume_reading()
         except UpstreamError as exc:
-            self.counters["upstream_errors"] = self.counters.get("upstream_errors", 0) + 1
-            self.counters["partial_streams"] = self.counters.get("partial_streams", 0) + 1
-            log.warning("upstream answer broke off after its head was relayed: %s", exc)
+            self._broke_off(exc)
             return  # no last chunk: uvicorn closes the client's connection
         finally:
             upstream.release()

@@ -34,7 +34,7 @@ from ..http.relay import ProxyApp
 from ..http.state import ProxyState, serving
 from ..records import RolloutRecord
 from .answers import Capturer, answer_parts
-from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink, probe_selected
+from .probe import DEFAULT_PROBE_TOPK, Prober, ProbeSink
 from .stream import relay_stream, stream_capture
 from .wire import dumps, loads, plan_request
 
@@ -70,8 +70,8 @@ class SglangState(ProxyState):
 
     def commit(self, record: RolloutRecord) -> None:
         self.capture.add(record)
-        if self.prober is not None and probe_selected(record.rid, self.probe_rate):
-            self.prober.maybe_probe(record)
+        if self.prober is not None:
+            self.prober.maybe_probe(record)  # if the record is selected
 
 
 async def _generate(request: Request) -> Response:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import zlib
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -79,12 +78,7 @@ class ProbeResult:
         return all(v == self.prefill_weight_version for v in self.versions)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for key, value in d.items():
-            if isinstance(value, tuple):
-                d[key] = list(value)
-        d["same_version"] = self.same_version
-        return d
+        return {**asdict(self), "same_version": self.same_version}
 
 
 def parse_probe_answer(record: RolloutRecord, answer: Any) -> ProbeResult:
@@ -173,7 +167,6 @@ class Prober:
         self.max_in_flight = max_in_flight
         self._in_flight = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._lock = threading.Lock()
         self._results: deque[ProbeResult] = deque(maxlen=max_results)
         self.counters = {"scheduled": 0, "done": 0, "failed": 0, "skipped_busy": 0}
 
@@ -216,8 +209,7 @@ class Prober:
             self.counters["failed"] += 1
             log.warning("prefill probe for rid %s failed: %s", record.rid, exc)
         else:
-            with self._lock:
-                self._results.append(result)
+            self._results.append(result)
             self.counters["done"] += 1
             if self.sink is not None:
                 try:
@@ -229,8 +221,7 @@ class Prober:
 
     def results(self) -> list[ProbeResult]:
         """The most recent finished probes (read-only; the sink gets every one)."""
-        with self._lock:
-            return list(self._results)
+        return list(self._results)
 
     async def drain(self) -> None:
         if self._tasks:

@@ -27,7 +27,6 @@ from .edit import (
     ChoicePart,
     VllmPlan,
     edit_answer,
-    sampling_of,
     truncates,
 )
 
@@ -72,7 +71,7 @@ class VllmCapturer:
         spans: Any,
         version: str | None,
     ) -> None:
-        sampling = sampling_of(plan)
+        sampling = plan.sampling
         n = len(ids)
         record = RolloutRecord(
             rid=rid,
@@ -145,22 +144,11 @@ def answer_parts(
         return client, None
 
     def capture() -> None:
-        many = len(parts) > 1 or _many(plan)
+        # the one frame of a stream (every choice of a finished answer has its finish_reason)
+        stream = _Stream(cap, plan)
+        stream.many |= len(parts) > 1
         for part in parts:
-            try:
-                spans, version = _version(info, part)
-                cap.finish(
-                    plan,
-                    _rid(info, part, 2 if many else 1),
-                    part,
-                    part.ids,
-                    part.logps,
-                    _prompt(plan, part),
-                    spans,
-                    version,
-                )
-            except (WireError, ValueError) as exc:
-                cap.wire_error(f"choice {part.index}", exc)
+            stream.take(part, info)
 
     return client, capture
 
@@ -203,7 +191,7 @@ class _Stream:
             self.prompt = info["prompt_token_ids"]
         for part in parts:
             try:
-                self._take(part, info)
+                self.take(part, info)
             except Exception:  # a capture bug must not cut the client's stream off
                 log.exception("stream choice %s: capture failed, not captured", part.index)
                 self.broken.add(part.index)
@@ -213,7 +201,7 @@ class _Stream:
             return b""
         return frame if client is payload else b"data: " + client + b"\n\n"
 
-    def _take(self, part: ChoicePart, info: dict[str, Any]) -> None:
+    def take(self, part: ChoicePart, info: dict[str, Any]) -> None:
         if part.index in self.broken or (part.bare and not part.ids.size):
             return
         ch = self.choices.get(part.index)
@@ -248,7 +236,7 @@ class _Stream:
             )
         except (WireError, ValueError) as exc:
             self.broken.add(part.index)
-            self.cap.wire_error(f"stream choice {part.index}", exc)
+            self.cap.wire_error(f"choice {part.index}", exc)
 
 
 def relay_stream(

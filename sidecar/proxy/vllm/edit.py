@@ -35,7 +35,6 @@ from ....monitor.core.errors import NotFast, WireError
 from .tree import Node, Tree, ints, tree_of
 
 __all__ = [
-    "KINDS",
     "VllmPlan",
     "ChoicePart",
     "plan_request",
@@ -44,7 +43,6 @@ __all__ = [
     "CLAMPED_LOGPROB",
 ]
 
-KINDS = ("completions", "chat", "generate")
 #: The request keys recorded with each sample (the rest of the sampling parameters do not
 #: change which distribution the sampled token came from).
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
@@ -63,7 +61,7 @@ class VllmPlan:
     cut_logprobs: bool
     cut_ids: bool
     prompt_ids: list[int] | None
-    sampling: dict[str, Any]
+    sampling: dict[str, Any]  # the `SAMPLING_KEYS` the request set
 
 
 @dataclass
@@ -86,12 +84,14 @@ def _is_int_list(value: Any) -> bool:
     )
 
 
+def _set(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
+
+
 def plan_request(kind: str, body: Any) -> VllmPlan | None:
     """The forwarded body for a completions / chat / generate request; None when the proxy
     leaves the request alone (not a JSON object, echo, beam search, a client that asked for
     top-k without log-probs: vLLM's own answer to those is passed through untouched)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown vLLM endpoint kind {kind!r}")
     if not isinstance(body, dict):
         return None
     out = dict(body)
@@ -102,14 +102,14 @@ def plan_request(kind: str, body: Any) -> VllmPlan | None:
         if not isinstance(params, dict) or not _is_int_list(body.get("token_ids")):
             return None
         prompt_ids = list(body["token_ids"])
-        sampling = {k: params.get(k) for k in SAMPLING_KEYS}
+        sampling = _set(params)
         if params.get("logprobs") is None:
             out["sampling_params"] = dict(params, logprobs=0)
             cut_logprobs = True
     else:
         if body.get("echo") or body.get("use_beam_search"):
             return None
-        sampling = {k: body.get(k) for k in SAMPLING_KEYS}
+        sampling = _set(body)
         if kind == "completions":
             if body.get("logprobs") is None:
                 out["logprobs"] = 0
@@ -214,16 +214,12 @@ def edit_answer(
             and delta is not None
             and tree.value(delta) == {}
         )
-        if not read:
-            if bare:
-                parts.append(ChoicePart(0, np.zeros(0, np.int64), np.zeros(0), None, bare=True))
-            continue
-        where = f"choices[{c}]"
         no_ids, no_lp = tree.is_null(ids_node), tree.is_null(lp)
-        if no_ids and no_lp and plan.stream and finish is None:
+        if not read or (no_ids and no_lp and plan.stream and finish is None):
             if bare:
                 parts.append(ChoicePart(0, np.zeros(0, np.int64), np.zeros(0), None, bare=True))
-            continue  # a stream's role-only or empty chunk
+            continue  # not read, or a stream's role-only or empty chunk
+        where = f"choices[{c}]"
         if no_ids:
             raise WireError(f"{where}.token_ids: missing (send return_token_ids: true)")
         ids = ints(tree, ids_node, f"{where}.token_ids")
@@ -258,11 +254,6 @@ def edit_answer(
 
 def _version(value: Any) -> str | None:
     return None if value is None else str(value)
-
-
-def sampling_of(plan: VllmPlan) -> dict[str, Any]:
-    """The recorded sampling parameters: only those the request set."""
-    return {k: v for k, v in plan.sampling.items() if v is not None}
 
 
 def truncates(sampling: Mapping[str, Any]) -> bool:
