@@ -40,7 +40,7 @@ def _c(reads: list[bytes | memoryview]) -> tuple[bytes, bool] | str:
     body = []
     try:
         for r in reads:
-            body.append(d.feed(r))
+            body.append(d.feed(r)[0])
     except DechunkError:
         return "error"
     return b"".join(body), d.done

@@ -92,7 +92,7 @@ class UpstreamResponse:
 
     def raw_received(self, data: bytes | memoryview, body: bytes, safe: int) -> None:
         """One read of a chunked body on the C pass: ``data`` as it came, the ``body`` it
-        carries, how much of it may be relayed as it is (`dechunk.Dechunker.feed_raw`)."""
+        carries, how much of it may be relayed as it is (`dechunk.Dechunker.feed`)."""
         if self._sink is not None:
             self._push(data, body, safe)
             return
@@ -329,7 +329,7 @@ class _Conn(asyncio.Protocol):
     def _dechunked(self, resp: UpstreamResponse, data: bytes | memoryview) -> None:
         assert self._dechunker is not None
         try:
-            body, safe = self._dechunker.feed_raw(data)
+            body, safe = self._dechunker.feed(data)
             resp.raw_received(data, body, safe)
         except dechunk.DechunkError as exc:
             self._bad(str(exc))

@@ -50,15 +50,12 @@ class Dechunker:
         self._state = array("q", bytes(40))
         self.done = False  # the last chunk and the trailer's empty line have arrived
 
-    def feed(self, data: bytes | memoryview) -> bytes:
-        """The body bytes ``data`` carries; raises `DechunkError` on broken framing."""
-        return self.feed_raw(data)[0]
-
-    def feed_raw(self, data: bytes | memoryview) -> tuple[bytes, int]:
-        """The body bytes ``data`` carries, and how far the bytes fed so far may be relayed
-        to a client as they are, counted from the start of ``data``: everything but the last
-        chunk (``0`` size line, trailer, empty line) and a size line that may still be it.
-        Negative when such a line began in an earlier read (those bytes are still held)."""
+    def feed(self, data: bytes | memoryview) -> tuple[bytes, int]:
+        """The body bytes ``data`` carries (`DechunkError` on broken framing), and how far
+        the bytes fed so far may be relayed to a client as they are, counted from the start of
+        ``data``: everything but the last chunk (``0`` size line, trailer, empty line) and a
+        size line that may still be it. Negative when such a line began in an earlier read
+        (those bytes are still held)."""
         state = self._state
         body: bytes = self._dechunk(data, state)
         phase = state[0]

@@ -11,13 +11,13 @@ passed back with its status, headers and body unchanged. The proxy state is
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ....monitor.core.jsoncodec import dumps
 from .client import UpstreamError, UpstreamResponse
 from .relay import RawStream, StreamSink, UpstreamStream
 from .state import ProxyState, settle_captures
@@ -167,18 +167,12 @@ async def records(request: Request) -> Response:
     token the engine gave probability 0) listed as null: JSON has no infinity."""
     state: ProxyState = request.app.state.proxy
     settle_captures(state)
-    held = []
-    for rec in state.capture.snapshot():
-        d = rec.to_dict()
-        d["logp"] = [None if x == -math.inf else x for x in d["logp"]]
-        held.append(d)
-    return JSONResponse(
-        {
-            "records": held,
-            "capture": state.capture.counters.to_dict(),
-            "proxy": dict(state.counters),
-        }
-    )
+    body = {
+        "records": [rec.to_dict() for rec in state.capture.snapshot()],
+        "capture": state.capture.counters.to_dict(),
+        "proxy": dict(state.counters),
+    }
+    return Response(dumps(body), media_type="application/json")  # dumps: -inf as null
 
 
 async def counters(request: Request) -> Response:

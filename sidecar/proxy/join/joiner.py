@@ -171,46 +171,47 @@ def build_arrays(joined: list[JoinedSample]) -> tuple[dict[str, np.ndarray], str
     cu = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=cu[1:])
 
-    def cat(get: Callable[[JoinedSample], Any], dtype: Any) -> np.ndarray:
-        return np.concatenate([np.asarray(get(j), dtype=dtype)[: j.length] for j in parts])
+    def cat(values: list[Any], dtype: Any) -> np.ndarray:
+        """One value per part, each cut to its part's length, end to end."""
+        return np.concatenate(
+            [np.asarray(v, dtype=dtype)[: j.length] for v, j in zip(values, parts, strict=True)]
+        )
+
+    def each(get: Callable[[JoinedSample], Any]) -> list[Any] | None:
+        """Every part's value, or None when a part has none."""
+        values = [get(j) for j in parts]
+        return None if any(v is None for v in values) else values
 
     out: dict[str, np.ndarray] = {
         "cu_seqlens": cu,
-        "logp_rollout": cat(lambda j: j.record.logp, np.float64),
-        "logp_train": cat(lambda j: j.sample.logp_train, np.float64),
-        "token_ids": cat(lambda j: j.record.output_ids, np.int64),
+        "logp_rollout": cat([j.record.logp for j in parts], np.float64),
+        "logp_train": cat([j.sample.logp_train for j in parts], np.float64),
+        "token_ids": cat([j.record.output_ids for j in parts], np.int64),
         "loss_mask": cat(
-            lambda j: np.ones(j.length) if j.sample.loss_mask is None else j.sample.loss_mask,
+            [np.ones(j.length) if j.sample.loss_mask is None else j.sample.loss_mask
+             for j in parts],
             np.uint8,
         ),
-    }
-    if all(j.sample.entropy is not None for j in parts):
-        out["entropy"] = cat(lambda j: j.sample.entropy, np.float64)
-        source = "trainer"
-    elif all(j.record.entropy_lower is not None for j in parts):
-        out["entropy"] = cat(lambda j: j.record.entropy_lower, np.float64)
-        source = "topk"
+    }  # fmt: skip
+    if (entropy := each(lambda j: j.sample.entropy)) is not None:
+        out["entropy"], source = cat(entropy, np.float64), "trainer"
+    elif (entropy := each(lambda j: j.record.entropy_lower)) is not None:
+        out["entropy"], source = cat(entropy, np.float64), "topk"
     else:
         raise JoinError(
             "entropy",
             "no entropy: send per-sample entropy from the trainer, or run the proxy with "
             "--topk K so the record carries a top-k entropy bound",
         )
-    if all(j.sample.token_ids is not None for j in parts):
-        out["token_ids_train"] = cat(lambda j: j.sample.token_ids, np.int64)
-    versions = [j.record.versions_as_int() for j in parts]
-    if all(v is not None for v in versions):
-        out["versions"] = np.concatenate(
-            [
-                np.asarray(v, dtype=np.int64)[: j.length]
-                for v, j in zip(versions, parts, strict=True)
-            ]
-        )
-    for name in ("logp_old", "logp_teacher"):
-        if all(getattr(j.sample, name) is not None for j in parts):
-            out[name] = np.concatenate(
-                [np.asarray(getattr(j.sample, name), np.float64)[: j.length] for j in parts]
-            )
+    optional = {
+        "token_ids_train": (lambda j: j.sample.token_ids, np.int64),
+        "versions": (lambda j: j.record.versions_as_int(), np.int64),
+        "logp_old": (lambda j: j.sample.logp_old, np.float64),
+        "logp_teacher": (lambda j: j.sample.logp_teacher, np.float64),
+    }
+    for name, (get, dtype) in optional.items():
+        if (values := each(get)) is not None:
+            out[name] = cat(values, dtype)
     return out, source
 
 

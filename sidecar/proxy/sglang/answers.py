@@ -48,18 +48,14 @@ class Capturer:
         self.counters["wire_errors"] += 1
         log.warning("%s not captured: %s", what, exc)
 
-    def fallback(self, plan: RequestPlan, idx: int) -> list[int] | None:
-        prompts = plan.client_input_ids
-        return prompts[plan.prompt_index(idx)] if prompts else None
-
     def finish(
         self, sample: SampleState, meta: Mapping[str, Any], plan: RequestPlan, idx: int
     ) -> None:
-        """Commit a finished sample; ``meta`` is its last chunk's ``meta_info``."""
-        record = sample.record(
-            meta, fallback_prompt=self.fallback(plan, idx), vocab_size=self.vocab_size
-        )
-        self.commit(record)
+        """Commit a finished sample; ``meta`` is its last chunk's ``meta_info`` (the prompt
+        ids the client sent stand in for those the answer lacks)."""
+        prompts = plan.client_input_ids
+        prompt = prompts[plan.prompt_index(idx)] if prompts else None
+        self.commit(sample.record(meta, fallback_prompt=prompt, vocab_size=self.vocab_size))
 
 
 def answer_parts(

@@ -84,17 +84,11 @@ def pack(results: list[ProbeResult]) -> list[ProbeBatch]:
         n = int(cu[-1])
         arrays: dict[str, np.ndarray] = {
             "cu_seqlens": cu,
-            "logp_rollout": np.fromiter(
-                (x for r in group for x in r.logp_decode), np.float64, count=n
-            ),
-            "logp_train": np.fromiter(
-                (x for r in group for x in r.logp_prefill), np.float64, count=n
-            ),
-            "entropy": np.fromiter(
-                (x for r in group for x in r.entropy_prefill or ()), np.float64, count=n
-            ),
+            "logp_rollout": np.concatenate([r.logp_decode for r in group], dtype=np.float64),
+            "logp_train": np.concatenate([r.logp_prefill for r in group], dtype=np.float64),
+            "entropy": np.concatenate([r.entropy_prefill or () for r in group], dtype=np.float64),
             "loss_mask": np.ones(n, dtype=np.uint8),
-            "token_ids": np.fromiter((t for r in group for t in r.output_ids), np.int64, count=n),
+            "token_ids": np.concatenate([r.output_ids for r in group], dtype=np.int64),
         }
         versions = [version_as_int(v) for r in group for v in r.versions]
         if all(v is not None for v in versions):

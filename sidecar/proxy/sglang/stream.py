@@ -237,8 +237,8 @@ def stream_capture(cap: Capturer, plan: RequestPlan) -> StreamReads:
 class StreamReads:
     """The frames of one stream cut out of its reads and captured. Reads shorter than
     `BATCH_BYTES` are kept until that many arrived, or until `close`, and read together;
-    longer ones are never copied whole (a short frame begun in one read is joined alone, a
-    long one from views of its pieces). `close` reads what is kept: every frame fed before it
+    longer ones are never copied whole (a frame begun in one read is joined alone, from views
+    of its pieces). `close` reads what is kept: every frame fed before it
     is captured, and a sample is committed once its finished frame is read. A capture that
     fails unexpectedly (a bug, not a malformed sample: those are counted per sample) is logged
     and counted as a wire error, and the rest of the stream is not captured; the relay, which
@@ -248,8 +248,7 @@ class StreamReads:
         self.stream = stream
         self.kept: list[bytes] = []  # short reads not read yet
         self.kept_bytes = 0
-        self.tail = b""  # the start of a frame still arriving, when short
-        self.parts: list[memoryview] = []  # a long frame still arriving, not yet copied
+        self.held: list[memoryview] = []  # a frame still arriving, not yet copied
         self.failed = False
 
     def __call__(self, chunk: bytes) -> None:
@@ -281,57 +280,40 @@ class StreamReads:
             self.stream.cap.counters["wire_errors"] += 1
 
     def _read(self, chunk: bytes) -> None:
-        stream, tail, parts = self.stream, self.tail, self.parts
-        pos, search = 0, 0
-        if parts:
+        if not chunk:
+            return
+        stream, held = self.stream, self.held
+        buf, pos = chunk, 0
+        if held:
             # the terminator may straddle two reads (compact JSON holds no raw newline)
-            if chunk[:1] == b"\n" and parts[-1][-1:] == b"\n":
-                end = 1
+            if chunk[:1] == b"\n" and held[-1][-1:] == b"\n":
+                pos = 1
             elif (cut := terminator(chunk, 0)) >= 0:
-                end = cut + 2
+                pos = cut + 2
             else:
-                parts.append(memoryview(chunk))
+                held.append(memoryview(chunk))
                 return
-            frame = b"".join([*parts, memoryview(chunk)[:end]])  # the one copy of a long frame
-            self.parts = []
-            if not stream.whole(frame, 0, len(frame)):
-                stream.frame(frame)
-            buf, pos, search = chunk, end, end
-        else:
-            buf = chunk
-            if tail:
-                # the frame begun in the last read is joined alone: the read is not copied
-                if tail[-1:] == b"\n" and chunk[:1] == b"\n":
-                    end = 1
-                else:
-                    end = terminator(chunk, 0)
-                    end = end + 2 if end >= 0 else -1
-                if end < 0:
-                    buf, search = tail + chunk, len(tail) - 1  # no frame ends in this read
-                else:
-                    head = tail + chunk[:end]
-                    if len(head) > _SMALL_FRAME:
-                        if not stream.whole(head, 0, len(head)):
-                            stream.frame(head)
-                    else:
-                        _read_small(stream, head, 0)
-                    pos = search = end
-        self.tail = b""
-        cut = terminator(buf, search)
+            frame = b"".join([*held, memoryview(chunk)[:pos]])  # the one copy of the frame
+            self.held = []
+            if len(frame) > _SMALL_FRAME:
+                self._long(frame, 0, len(frame))
+            else:
+                _read_small(stream, frame, 0)
+        cut = terminator(buf, pos)
         if cut >= 0 and cut + 2 - pos > _SMALL_FRAME:
             # long frames (a cumulative stream): cut at memchr speed, each on its bytes
             while cut >= 0:
-                if not stream.whole(buf, pos, cut + 2):
-                    stream.frame(buf[pos : cut + 2])
+                self._long(buf, pos, cut + 2)
                 pos = cut + 2
                 cut = terminator(buf, pos)
-        if cut < 0:
-            if len(buf) - pos > _SMALL_FRAME:
-                self.parts = [memoryview(buf)[pos:]]
-            elif pos < len(buf):
-                self.tail = buf[pos:]
-            return
-        self.tail = buf[_read_small(stream, buf, pos) :]
+        else:
+            pos = _read_small(stream, buf, pos) if cut >= 0 else pos
+        if pos < len(buf):
+            self.held = [memoryview(buf)[pos:]]
+
+    def _long(self, buf: bytes, start: int, end: int) -> None:
+        if not self.stream.whole(buf, start, end):
+            self.stream.frame(buf[start:end])
 
 
 def _read_small(stream: _Stream, buf: bytes, pos: int) -> int:
@@ -340,23 +322,20 @@ def _read_small(stream: _Stream, buf: bytes, pos: int) -> int:
     read it declines, by `_Stream.frame`; returns where the first frame not complete in ``buf``
     starts. Without the C reader every frame goes to `_Stream.frame`."""
     declined = cstream() is None
-    while not declined:
-        rows, used, ids, logps, stopped = scan_deltas(
-            np.frombuffer(buf, dtype=np.uint8)[pos:], _SMALL_FRAME
-        )
-        if used > 0:
-            for _start, _end, _kind, idx, total, count, at in rows.tolist():
-                stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
-            pos += used
-            if not stopped:
-                return pos
-        declined = used < 0
+    while True:
+        if not declined:
+            rows, used, ids, logps, stopped = scan_deltas(
+                np.frombuffer(buf, dtype=np.uint8)[pos:], _SMALL_FRAME
+            )
+            if used > 0:
+                for _start, _end, _kind, idx, total, count, at in rows.tolist():
+                    stream.delta(idx, ids[at : at + count], logps[at : at + count], total)
+                pos += used
+                if not stopped:
+                    return pos
+            declined = used < 0
         cut = terminator(buf, pos)
         if cut < 0:
             return pos
         stream.frame(buf[pos : cut + 2])
         pos = cut + 2
-    while (cut := terminator(buf, pos)) >= 0:
-        stream.frame(buf[pos : cut + 2])
-        pos = cut + 2
-    return pos
