@@ -213,7 +213,8 @@ class Batch:
         try:
             from safetensors.numpy import save
         except ModuleNotFoundError as exc:
-            raise with_hint(exc, "Batch.to_safetensors") from exc
+            # the service's client sends it: [proxy] has safetensors too, but not the client
+            raise with_hint(exc, "Batch.to_safetensors", "server") from exc
         meta = {k: str(v) for k, v in self.metadata().items() if v is not None}
         tensors = {name: np.ascontiguousarray(v) for name, v in self.wire_arrays().items()}
         return save(tensors, metadata=meta)

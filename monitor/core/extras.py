@@ -17,7 +17,7 @@ import importlib.util
 __all__ = ["COMMANDS", "EXTRAS", "extra_for", "hint", "missing_for", "with_hint"]
 
 _CLI = frozenset({"typer", "rich", "orjson"})
-_PROXY = _CLI | {"starlette", "uvicorn", "httptools"}
+_PROXY = _CLI | {"starlette", "uvicorn", "httptools", "safetensors"}
 _SERVER = _CLI | {
     "fastapi", "starlette", "pydantic", "uvicorn", "prometheus_client", "sqlalchemy",
     "alembic", "numba", "llvmlite", "safetensors", "httpx",
@@ -91,10 +91,10 @@ def hint(what: str, extra: str) -> str:
     return f"{what} needs the [{extra}] extra: pip install 'timwatch[{extra}]'"
 
 
-def with_hint(exc: ModuleNotFoundError, what: str) -> ModuleNotFoundError:
-    """``exc`` with `hint` for ``what`` appended to its message and the same ``name``; ``exc``
-    itself when no extra supplies its module."""
-    extra = extra_for(exc.name or "")
+def with_hint(exc: ModuleNotFoundError, what: str, extra: str | None = None) -> ModuleNotFoundError:
+    """``exc`` with `hint` for ``what`` appended to its message and the same ``name``: the
+    ``extra`` named, else the smallest that supplies the module; ``exc`` itself when none does."""
+    extra = extra or extra_for(exc.name or "")
     if extra is None:
         return exc
     return ModuleNotFoundError(f"{exc} ({hint(what, extra)})", name=exc.name)

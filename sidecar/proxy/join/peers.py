@@ -16,10 +16,10 @@ A peer that is down or slower than ``--peer-timeout`` counts as holding nothing 
 popped but whose answer never arrived are gone with the answer, and their samples end up in
 ``unjoined_samples``: counted, never silently dropped.
 
-Wire format of the take answer (``application/octet-stream``): an 8-byte little-endian length,
-that many bytes of JSON ``{"records": [{"i", "rid", "n", "n_in", ...}]}``, then per record its
-arrays as raw little-endian bytes: output ids (int64 × n), log-probs (float64 × n), prompt ids
-(int64 × n_in, when present), entropy lower and tail bounds (float64 × n, when present).
+The take answer is safetensors (the batch wire format, ``application/octet-stream``): per
+record ``j`` the tensors ``j.output_ids``, ``j.logp`` and, when present, ``j.input_ids``,
+``j.entropy_lower``, ``j.entropy_tail``; the records' other fields as JSON in the metadata
+under ``records``. It is read with `monitor.core.safetensors_codec`, which trusts no header.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
+from safetensors.numpy import save
 
+from ....monitor.core.safetensors_codec import decode
 from ..capture import CaptureStore
 from ..records import RolloutRecord
 
@@ -44,7 +45,6 @@ __all__ = ["TAKE_PATH", "PeerClient", "decode_records", "encode_records", "take_
 log = logging.getLogger(__name__)
 
 TAKE_PATH = "/timwatch/v1/peer/take"
-_HEADER = struct.Struct("<Q")
 _SCALARS = (
     "finish_reason",
     "weight_version",
@@ -54,67 +54,45 @@ _SCALARS = (
     "sampling",
     "logprobs_mode",
 )
+_ARRAYS = (
+    ("output_ids", "<i8"),
+    ("logp", "<f8"),
+    ("input_ids", "<i8"),
+    ("entropy_lower", "<f8"),
+    ("entropy_tail", "<f8"),
+)
 
 
 def encode_records(records: Sequence[tuple[int, RolloutRecord]]) -> bytes:
     """``(index in the request, record)`` pairs as the take answer's bytes."""
     heads: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
-    for i, rec in records:
-        head: dict[str, Any] = {"i": i, "rid": rec.rid, "n": rec.num_tokens}
-        head["n_in"] = None if rec.input_ids is None else len(rec.input_ids)
-        head["el"], head["et"] = rec.entropy_lower is not None, rec.entropy_tail is not None
-        head["runs"] = rec.runs
-        head.update({k: getattr(rec, k) for k in _SCALARS})
-        heads.append(head)
-        chunks.append(np.asarray(rec.output_ids, "<i8").tobytes())
-        chunks.append(np.asarray(rec.logp, "<f8").tobytes())
-        for arr, dtype in (
-            (rec.input_ids, "<i8"),
-            (rec.entropy_lower, "<f8"),
-            (rec.entropy_tail, "<f8"),
-        ):
-            if arr is not None:
-                chunks.append(np.asarray(arr, dtype).tobytes())
-    header = json.dumps({"records": heads}).encode()
-    return b"".join([_HEADER.pack(len(header)), header, *chunks])
+    arrays: dict[str, np.ndarray] = {}
+    for j, (i, rec) in enumerate(records):
+        heads.append({"i": i, "rid": rec.rid, "runs": rec.runs})
+        heads[-1].update({k: getattr(rec, k) for k in _SCALARS})
+        for name, dtype in _ARRAYS:
+            if (arr := getattr(rec, name)) is not None:
+                arrays[f"{j}.{name}"] = np.ascontiguousarray(arr, dtype)
+    return bytes(save(arrays, metadata={"records": json.dumps(heads)}))
 
 
 def decode_records(data: bytes) -> list[tuple[int, RolloutRecord]]:
     """Inverse of `encode_records`; raises ``ValueError`` on bytes it did not produce."""
-    if len(data) < _HEADER.size:
-        raise ValueError("take answer shorter than its header")
-    (size,) = _HEADER.unpack_from(data)
-    heads = json.loads(data[_HEADER.size : _HEADER.size + size])["records"]
-    view, at = memoryview(data), _HEADER.size + size
+    arrays, meta = decode(data)
+    if "records" not in meta:
+        raise ValueError("take answer: no records in its metadata")
     out: list[tuple[int, RolloutRecord]] = []
-
-    def take(count: int, dtype: str) -> np.ndarray:
-        nonlocal at
-        end = at + 8 * count
-        if end > len(data):
-            raise ValueError("take answer truncated")
-        arr = np.frombuffer(view[at:end], dtype=dtype)
-        at = end
-        return arr
-
-    for h in heads:
-        n = int(h["n"])
-        output_ids, logp = take(n, "<i8"), take(n, "<f8")
-        input_ids = None if h["n_in"] is None else take(int(h["n_in"]), "<i8")
+    for j, h in enumerate(json.loads(meta["records"])):
+        own: dict[str, Any] = {name: arrays.pop(f"{j}.{name}", None) for name, _ in _ARRAYS}
         rec = RolloutRecord(
             rid=str(h["rid"]),
-            input_ids=input_ids,
-            output_ids=output_ids,
-            logp=logp,
             runs=tuple((label, int(count)) for label, count in h["runs"]),
-            entropy_lower=take(n, "<f8") if h["el"] else None,
-            entropy_tail=take(n, "<f8") if h["et"] else None,
+            **own,
             **{k: h[k] for k in _SCALARS},
         )
         out.append((int(h["i"]), rec))
-    if at != len(data):
-        raise ValueError("take answer has trailing bytes")
+    if arrays:
+        raise ValueError(f"take answer has tensors of no record: {sorted(arrays)[:3]}")
     return out
 
 

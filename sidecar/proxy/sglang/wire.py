@@ -223,23 +223,17 @@ def parse_logprob_triples(entries: Any, where: str) -> tuple[list[int], list[flo
 def _top_rows(rows: Any, where: str) -> list[list[float | None] | None]:
     if not isinstance(rows, list):
         raise WireError(f"{where}: expected a list, got {type(rows).__name__}")
-    out: list[list[float | None] | None] = []
-    for i, row in enumerate(rows):
-        if row is None:
-            out.append(None)
-        else:
-            out.append(parse_logprob_triples(row, f"{where}[{i}]")[1])
-    return out
+    return [
+        None if row is None else parse_logprob_triples(row, f"{where}[{i}]")[1]
+        for i, row in enumerate(rows)
+    ]
 
 
 def finish_type(reason: Any) -> str | None:
     """SGLang's ``finish_reason`` (a dict with ``type``, a string or None) as its type name."""
-    if reason is None:
-        return None
     if isinstance(reason, dict):
-        kind = reason.get("type")
-        return None if kind is None else str(kind)
-    return str(reason)
+        reason = reason.get("type")
+    return None if reason is None else str(reason)
 
 
 #: Top-k rows of a chunk: an ``(n, k)`` array (the byte path), or one list of log-probs per
@@ -360,13 +354,11 @@ class SampleState:
     def _keep(self, chunk: Chunk, *, whole: bool) -> None:
         if whole:
             self.ids, self.logps, self.n = [], [], 0
-            if chunk.tops is not None:
-                self.tops = []
         self.ids.append(chunk.ids)
         self.logps.append(chunk.logps)
         self.n += len(chunk.ids)
         if chunk.tops is not None:
-            if self.tops is None:
+            if whole or self.tops is None:
                 self.tops = []
             self.tops.append(chunk.tops)
         if chunk.prompt is not None:
