@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from tests.helpers.readers import stream_reader  # noqa: F401
+from tests.helpers.sglang_relay import relayed
 from timwatch.sidecar.proxy.records import RolloutRecord
 from timwatch.sidecar.proxy.sglang import stream as relay
 from timwatch.sidecar.proxy.sglang.answers import Capturer
@@ -228,6 +229,6 @@ def test_relay_stream_through_the_fast_path_keeps_bytes() -> None:
                 yield raw[at : at + 997]
 
         cap = Capturer(lambda r: None, {"wire_errors": 0}, None)
-        return b"".join([c async for c in relay.relay_stream(cap, plan, chunks())])
+        return await relayed(cap, plan, chunks())
 
     assert asyncio.run(run()) == raw

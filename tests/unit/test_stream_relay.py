@@ -1,5 +1,5 @@
-"""Streams relayed by `proxy.sglang.stream.relay_stream`: the client gets the upstream's bytes, and
-the records equal the object path's, however the stream is cut into reads.
+"""Streams through the SGLang proxy's relays (`tests.helpers.sglang_relay`): the client gets the
+upstream's bytes, and the records equal the object path's, however the stream is cut into reads.
 
 Streams come from the SGLang stand-in (`tests/helpers/fake_sglang.py`, in process; real SGLang
 needs a GPU), cumulative and incremental, one sample and a batch of two (chunks carry
@@ -18,10 +18,10 @@ import orjson
 import pytest
 
 import tests.helpers.fake_sglang as fake
+from tests.helpers.sglang_relay import relayed
 from timwatch.sidecar.proxy.records import RolloutRecord
 from timwatch.sidecar.proxy.sglang import stream as relay
 from timwatch.sidecar.proxy.sglang.answers import Capturer
-from timwatch.sidecar.proxy.sglang.stream import relay_stream
 from timwatch.sidecar.proxy.sglang.wire import SampleState, plan_request
 
 
@@ -77,7 +77,7 @@ async def _relay(cap: Capturer, plan: Any, reads: list[bytes]) -> bytes:
         for r in reads:
             yield r
 
-    return b"".join([c async for c in relay_stream(cap, plan, chunks())])
+    return await relayed(cap, plan, chunks())
 
 
 @pytest.mark.parametrize("how", ["whole", "frames", "tiny", "mid", "big"])
@@ -156,12 +156,12 @@ async def _through_upstream(wire: bytes, cuts: list[int], plan: Any, cap: Captur
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     up = Upstream(f"http://127.0.0.1:{port}", timeout_s=10)
-    relayed = []
+    bodies = []
     try:
         for _ in cuts:
             resp = await up.request("POST", "/generate", [], b"{}")
             try:
-                relayed.append(b"".join([c async for c in relay_stream(cap, plan, resp.chunks())]))
+                bodies.append(await relayed(cap, plan, resp.chunks()))
             finally:
                 resp.release()
         assert connections == 1  # every answer ended cleanly: the connection was kept
@@ -169,7 +169,7 @@ async def _through_upstream(wire: bytes, cuts: list[int], plan: Any, cap: Captur
         await up.aclose()
         server.close()
         await server.wait_closed()
-    return relayed
+    return bodies
 
 
 @pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
@@ -195,8 +195,8 @@ def test_chunked_upstream_relays_bytes_and_records_at_every_cut(incremental: boo
     got: list[RolloutRecord] = []
     counters = {"requests": 0, "wire_errors": 0, "upstream_errors": 0}
     cap = Capturer(got.append, counters, None)
-    relayed = asyncio.run(_through_upstream(wire, cuts, plan, cap))
-    assert relayed == [raw] * len(cuts)
+    bodies = asyncio.run(_through_upstream(wire, cuts, plan, cap))
+    assert bodies == [raw] * len(cuts)
     assert counters["wire_errors"] == 0
     (want,) = _object_records(raw)
     assert len(got) == len(cuts)

@@ -78,7 +78,7 @@ class UpstreamResponse:
     # the connection's side
     def started(self, status: int, headers: list[tuple[str, str]]) -> None:
         self.status, self.headers = status, headers
-        if self._conn.raw_chunked():
+        if self._conn.dechunker is not None:
             self._raw = []
         self._wake()
 
@@ -190,7 +190,7 @@ class UpstreamResponse:
             self._sink_error = exc
             self._conn.close()
         self._last_push = time.monotonic()
-        if self._sink_error is not None or self._conn.reading_paused():
+        if self._sink_error is not None or self._conn.paused:
             self._wake()  # else the relay has nothing to do: waking it per read cost a step
 
     async def pushed(self) -> bool:
@@ -205,7 +205,7 @@ class UpstreamResponse:
                 return False
             if self._error is not None:
                 raise self._error
-            if self._conn.reading_paused():
+            if self._conn.paused:
                 return True
             since = self._last_push
             left = None if self._timeout is None else self._timeout - (time.monotonic() - since)
@@ -248,17 +248,17 @@ class _Conn(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._no_body = False  # the request was HEAD
         self._in_body = False  # the body goes to llhttp
-        self._dechunker: dechunk.Dechunker | None = None  # the body goes to the C pass
+        self.dechunker: dechunk.Dechunker | None = None  # the body goes to the C pass
         self._until_eof = False  # close-delimited
         self._keep_alive = False
-        self._paused = False
+        self.paused = False  # reading paused (`pause_reading`): a reader or the client is behind
         self._drained: asyncio.Future[None] | None = None
 
     def start(self, resp: UpstreamResponse, *, head_request: bool) -> None:
         """Expect the answer to a request about to be sent (a fresh parser per answer)."""
         self.resp, self._no_body = resp, head_request
         self._parser = httptools.HttpResponseParser(self)
-        self._head, self._headers, self._in_body, self._dechunker = b"", [], False, None
+        self._head, self._headers, self._in_body, self.dechunker = b"", [], False, None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods
@@ -293,7 +293,7 @@ class _Conn(asyncio.Protocol):
         resp = self.resp
         if resp is None:
             self.close()  # bytes nobody asked for: the connection's state is unknown
-        elif self._dechunker is not None:
+        elif self.dechunker is not None:
             self._dechunked(resp, data)
         elif self._in_body:
             self._feed(data)
@@ -315,7 +315,7 @@ class _Conn(asyncio.Protocol):
             at = end + 4
         self._head = b""
         rest = memoryview(head)[at:]  # not a slice: that would copy the first read's body
-        if self._dechunker is not None:
+        if self.dechunker is not None:
             if rest:
                 self._dechunked(resp, rest)
         elif self._no_body or resp.status in _NO_BODY:
@@ -327,14 +327,14 @@ class _Conn(asyncio.Protocol):
                 self._feed(rest)
 
     def _dechunked(self, resp: UpstreamResponse, data: bytes | memoryview) -> None:
-        assert self._dechunker is not None
+        assert self.dechunker is not None
         try:
-            body, safe = self._dechunker.feed(data)
+            body, safe = self.dechunker.feed(data)
             resp.raw_received(data, body, safe)
         except dechunk.DechunkError as exc:
             self._bad(str(exc))
             return
-        if self._dechunker.done:
+        if self.dechunker.done:
             resp.finished(self._keep_alive)
 
     def _feed(self, data: bytes | memoryview) -> bool:
@@ -371,7 +371,7 @@ class _Conn(asyncio.Protocol):
             self._until_eof = True  # RFC 9112 §6.3 rule 4: not chunked, read to EOF
         body = not self._no_body and status not in _NO_BODY
         if body and coding.endswith("chunked") and dechunk.available():
-            self._dechunker = dechunk.Dechunker()
+            self.dechunker = dechunk.Dechunker()
         self.resp.started(status, headers)
 
     def on_body(self, body: bytes) -> None:
@@ -384,20 +384,14 @@ class _Conn(asyncio.Protocol):
             resp.finished(self._keep_alive)
 
     # flow control and the end of an answer
-    def raw_chunked(self) -> bool:
-        return self._dechunker is not None
-
-    def reading_paused(self) -> bool:
-        return self._paused
-
     def pause_reading(self) -> None:
-        if not self._paused and self.transport is not None:
+        if not self.paused and self.transport is not None:
             self.transport.pause_reading()
-            self._paused = True
+            self.paused = True
 
     def resume_reading(self) -> None:
-        if self._paused and self.transport is not None:
-            self._paused = False
+        if self.paused and self.transport is not None:
+            self.paused = False
             self.transport.resume_reading()
 
     def finish(self, *, reuse: bool) -> None:

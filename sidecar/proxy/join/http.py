@@ -54,11 +54,10 @@ REPORTS_PATH = "/timwatch/v1/trainer_reports"
 class TapForwarder:
     """One `Tap` per run; ``__call__`` is the `Joiner`'s ``forward``."""
 
-    def __init__(self, url: str, token: str | None = None, **tap_kwargs: Any) -> None:
+    def __init__(self, url: str, token: str | None = None) -> None:
         self.url = url
         self.token = token
-        tap_kwargs.setdefault("id_prefix", f"join-{socket.gethostname()}-{os.getpid()}")
-        self.tap_kwargs = tap_kwargs
+        self.id_prefix = f"join-{socket.gethostname()}-{os.getpid()}"
         self.taps: dict[str, Tap] = {}
         self._lock = threading.Lock()
 
@@ -77,7 +76,7 @@ class TapForwarder:
                 # a proxy never finishes a run: the trainer owns its lifecycle, and one proxy
                 # replica restarting must not mark the run finished
                 tap = self.taps[run] = Tap(
-                    self.url, run, self.token, **{"finish": False, **self.tap_kwargs}
+                    self.url, run, self.token, id_prefix=self.id_prefix, finish=False
                 )
         tap.report(
             step,

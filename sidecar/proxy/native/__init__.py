@@ -141,16 +141,12 @@ def triples(buf: bytes, pos: int) -> tuple[int, int, np.ndarray, np.ndarray]:
     return count, end, ids[:count], vals[:count]
 
 
-#: Columns of `walk`'s rows.
-PARENT, DEPTH, KEY_START, KEY_END, VALUE_START, VALUE_END, INDEX = range(7)
-
-
 def walk(buf: bytes, max_depth: int, max_array_depth: int) -> np.ndarray:
     """Every value of the JSON object ``buf`` down to ``max_depth`` (objects) and
-    ``max_array_depth`` (arrays), in one pass (``csrc/jsonwalk.h``). One row per value
-    (columns `PARENT` … `INDEX`): its container's row (-1 for the root), its depth (root 0),
-    its key's span without quotes (-1 in an array), its own span, its position in its
-    container. Empty when ``buf`` is not one JSON object."""
+    ``max_array_depth`` (arrays), in one pass (``csrc/jsonwalk.h``). One row per value, seven
+    columns: its container's row (-1 for the root), its depth (root 0), its key's span without
+    quotes (-1 in an array), its own span, its position in its container. Empty when ``buf``
+    is not one JSON object."""
     assert _built is not None
     size = 64
     while True:

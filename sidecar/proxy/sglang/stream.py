@@ -154,8 +154,7 @@ class _Stream:
             if total is None:
                 raise NotFast("no output_token_logprobs_length (SGLang before 0.5.3)")
         except NotFast:
-            self.on_objects.add(idx)
-            return self._objects(frame, payload)
+            return self._objects(frame, payload)  # which moves the sample to the object path
         out = frame if client is payload else b"data: " + client + b"\n\n"
         sample = self._sample(idx)
         try:
@@ -165,7 +164,6 @@ class _Stream:
             chunk, hole = read_bytes(payload)
             meta = small_meta(payload, hole) if last else None
         except NotFast:
-            self.on_objects.add(idx)
             return self._objects(frame, payload)
         except (WireError, ValueError) as exc:
             self._refuse(idx, exc)  # the client still gets its restored bytes
@@ -204,27 +202,11 @@ class _Stream:
 def relay_stream(
     cap: Capturer, plan: RequestPlan, chunks: AsyncIterator[bytes]
 ) -> AsyncIterator[bytes]:
-    """Relay an SSE stream, capturing finished samples on the way.
-
-    When the proxy changed nothing in the request the client gets the upstream's bytes as they
-    come, each read passed on at once; the frames are cut out and read beside it, the small
-    delta chunks of a whole read in compiled passes (`_read_small`). Otherwise each
-    frame is restored on its own and every frame complete in one read goes out in one write
-    (`proxy.http.sse.relay_frames`)."""
-    stream = _Stream(cap, plan)
-    if not plan.changed:
-        return _capture_reads(stream, chunks)
-    return relay_frames(stream.frame, chunks)
-
-
-async def _capture_reads(stream: _Stream, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    reads = StreamReads(stream)
-    try:
-        async for chunk in chunks:
-            yield chunk
-            reads(chunk)
-    finally:
-        reads.close()
+    """Relay the SSE stream of a request the proxy changed, capturing finished samples on the
+    way: each frame is restored on its own and every frame complete in one read goes out in one
+    write (`proxy.http.sse.relay_frames`). An unchanged request's stream is relayed as it
+    came and captured beside it (`stream_capture`)."""
+    return relay_frames(_Stream(cap, plan).frame, chunks)
 
 
 def stream_capture(cap: Capturer, plan: RequestPlan) -> StreamReads:

@@ -94,7 +94,6 @@ async def _endpoint(request: Request) -> Response:
 async def _metrics(request: Request) -> Response:
     state: VllmState = request.app.state.proxy
     settle_captures(state)
-    lines = []
     help_ = {
         "requests": "Requests to the captured endpoints.",
         "uncaptured_requests": "Captured-endpoint requests passed through unread (echo, beam).",
@@ -108,16 +107,17 @@ async def _metrics(request: Request) -> Response:
         "sampling_mismatch_tokens": "Tokens of sampling_mismatch_samples.",
         "impossible_tokens": "Captured tokens the engine gave log-prob -inf (vLLM: -9999).",
     }
-    for name in _COUNTERS:
-        metric = f"timwatch_sidecar_vllm_{name}_total"
-        lines += [f"# HELP {metric} {help_[name]}", f"# TYPE {metric} counter"]
-        lines.append(f"{metric} {state.counters[name]}")
-    counters = state.capture.counters.to_dict()
-    for name in ("captured", "evicted", "expired", "popped"):
-        metric = f"timwatch_sidecar_vllm_records_{name}_total"
-        lines += [f"# HELP {metric} Capture store: records {name}.", f"# TYPE {metric} counter"]
-        lines.append(f"{metric} {counters[name]}")
-    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    held = state.capture.counters.to_dict()
+    rows = [(f"vllm_{n}_total", help_[n], state.counters[n]) for n in _COUNTERS] + [
+        (f"vllm_records_{n}_total", f"Capture store: records {n}.", held[n])
+        for n in ("captured", "evicted", "expired", "popped")
+    ]
+    text = "".join(
+        f"# HELP timwatch_sidecar_{m} {h}\n# TYPE timwatch_sidecar_{m} counter\n"
+        f"timwatch_sidecar_{m} {v}\n"
+        for m, h, v in rows
+    )
+    return Response(text, media_type="text/plain; version=0.0.4")
 
 
 def create_app(
