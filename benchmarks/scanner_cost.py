@@ -46,7 +46,8 @@ from timwatch.sidecar.proxy.sglang.wire import plan_request  # noqa: E402
 def _dechunker() -> Callable[[bytes], bytes]:
     """The upstream client's de-chunking: the C pass, or llhttp's callbacks where it is off."""
     if dechunk_mod.available():
-        return dechunk_mod.Dechunker().feed
+        d = dechunk_mod.Dechunker()
+        return lambda data: d.feed(data)[0]
     got: list[bytes] = []
 
     class Sink:
