@@ -216,12 +216,10 @@ def test_captures_on_both_readers_give_the_same_records_and_refusals(
     """A generated stream with digits changed anywhere (log-probs, ids, totals, weight-version
     spans: a number can become another, a negative id, a subnormal, or not JSON) and cut into
     reads anywhere, captured on the C reader and on the fallback: where every frame is still
-    JSON, both refuse the sample (a wire error) or neither does, and then the records are the
-    same (ids and log-prob bits). After a refusal the object path may commit what later frames
-    hold, frame by frame, where the C scan hands it runs of frames: those leftovers are not
-    compared. (Where a change breaks a frame's JSON, the C scan, which reads only its keys and
-    list, may still take it: `test_generated_streams_cut_and_changed_anywhere_read_as_orjson_
-    reads_them` covers those.)"""
+    JSON, both refuse the sample (one wire error, nothing committed) or neither does, and the
+    records are the same (ids and log-prob bits). (Where a change breaks a frame's JSON, the C
+    scan, which reads only its keys and list, may still take it:
+    `test_generated_streams_cut_and_changed_anywhere_read_as_orjson_reads_them` covers those.)"""
     buf = bytearray(_generated(frames))
     digits = [i for i, c in enumerate(buf) if 48 <= c <= 57]
     for _ in range(data.draw(st.integers(0, 2))):
@@ -237,11 +235,10 @@ def test_captures_on_both_readers_give_the_same_records_and_refusals(
         f_records, f_errors = _captured(reads)
     if not _frames_are_json(raw):
         return
-    assert (c_errors > 0) == (f_errors > 0)  # both refuse the sample, or neither does
-    if c_errors == 0:
-        assert [(r.output_ids.tolist(), _bits(r.logp)) for r in c_records] == [
-            (r.output_ids.tolist(), _bits(r.logp)) for r in f_records
-        ]
+    assert c_errors == f_errors <= 1  # both refuse the sample once, or neither does
+    assert [(r.output_ids.tolist(), _bits(r.logp)) for r in c_records] == [
+        (r.output_ids.tolist(), _bits(r.logp)) for r in f_records
+    ]
 
 
 def _c_dechunk(reads: list[bytes]) -> tuple[bytes, int]:

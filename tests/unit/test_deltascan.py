@@ -218,6 +218,25 @@ def test_a_stream_fed_one_frame_per_read_equals_the_object_path(
     assert np.array_equal(np.asarray(rec.logp).view(np.int64), np.asarray(want.logp).view(np.int64))
 
 
+@pytest.mark.parametrize("bad", [1, 5, 12], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("total", [0, 2, 99])
+def test_a_chunk_whose_total_disagrees_refuses_its_sample_once(bad: int, total: int) -> None:
+    """A chunk of one token whose ``output_token_logprobs_length`` is neither the tokens held + 1
+    nor 1 (for the first chunk both readings say 1): the sample is one wire error, no record,
+    and its later chunks are not read into a record of the tokens after it. Found by
+    hypothesis: a first chunk's total of 0 was taken as whole on the fallback, and on the C
+    reader the next chunk was held as a cumulative one of 2 tokens."""
+    frames = [_frame(i, 12, "a", "-0.5", i) for i in range(1, 13)]
+    frames[bad - 1] = frames[bad - 1].replace(
+        b'"output_token_logprobs_length":%d,' % bad, b'"output_token_logprobs_length":%d,' % total
+    )
+    got, errors = _captured([b"".join(frames)])
+    assert (errors, got) == (1, [])
+    good = [_frame(i, 12, "a", "-0.5", i) for i in range(1, 13)]
+    got, errors = _captured([b"".join(good)])
+    assert errors == 0 and got[0].output_ids.tolist() == list(range(1, 13))
+
+
 def test_relay_stream_through_the_fast_path_keeps_bytes() -> None:
     raw = _stream(20)
     plan = plan_request({"input_ids": [1], "return_logprob": True, "stream": True}, None)

@@ -70,12 +70,14 @@ def _read_held(payload: bytes) -> Chunk:
 class _Stream:
     """The samples of one streamed request. Each chunk is read on its bytes (`fastwire`) or, once
     that path refused one of a sample's chunks, as objects (`wire.read_object`); either way it
-    goes to the sample's one `SampleState`."""
+    goes to the sample's one `SampleState`. A sample with a malformed chunk is counted once as a
+    wire error and not captured: its later chunks are relayed and not read."""
 
     def __init__(self, cap: Capturer, plan: RequestPlan) -> None:
         self.cap, self.plan = cap, plan
         self.samples: dict[int, SampleState] = {}
         self.on_objects: set[int] = set()
+        self.refused: set[int] = set()
         self.indexed: bool | None = None  # whether its chunks carry "index" (batch requests)
 
     def _sample(self, idx: int) -> SampleState:
@@ -87,6 +89,7 @@ class _Stream:
     def _refuse(self, idx: int, exc: Exception) -> None:
         """A malformed chunk: the sample is dropped and counted as a wire error."""
         self.samples.pop(idx, None)
+        self.refused.add(idx)
         self.cap.wire_error(f"stream sample {idx}", exc)
 
     def whole(self, buf: bytes, start: int, end: int) -> bool:
@@ -128,6 +131,8 @@ class _Stream:
     def delta(self, idx: int, ids: np.ndarray, logps: np.ndarray, total: int) -> None:
         """An unfinished chunk the C delta scan read (`_read_small`: an unchanged request's
         stream)."""
+        if idx in self.refused:
+            return
         try:
             self._sample(idx).add(Chunk(ids, logps, None, total))
         except (WireError, ValueError) as exc:
@@ -156,6 +161,8 @@ class _Stream:
         except NotFast:
             return self._objects(frame, payload)  # which moves the sample to the object path
         out = frame if client is payload else b"data: " + client + b"\n\n"
+        if idx in self.refused:
+            return out
         sample = self._sample(idx)
         try:
             if not last and cumulative(payload, total, total - sample.total):
@@ -187,12 +194,13 @@ class _Stream:
         idx = out.get("index", 0)
         idx = idx if isinstance(idx, int) else 0
         self.on_objects.add(idx)
-        try:
-            self._sample(idx).offer(out)
-            if is_finished(out):
-                self.cap.finish(self.samples.pop(idx), out["meta_info"], self.plan, idx)
-        except (WireError, ValueError) as exc:
-            self._refuse(idx, exc)
+        if idx not in self.refused:
+            try:
+                self._sample(idx).offer(out)
+                if is_finished(out):
+                    self.cap.finish(self.samples.pop(idx), out["meta_info"], self.plan, idx)
+            except (WireError, ValueError) as exc:
+                self._refuse(idx, exc)
         if not self.plan.changed:
             return frame
         self.plan.restore(out, idx)

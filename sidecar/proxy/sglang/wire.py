@@ -339,9 +339,14 @@ class SampleState:
             held = _joined(self.ids, np.int64)
             whole = n >= len(held) and np.array_equal(np.asarray(chunk.ids)[: len(held)], held)
         if not whole and self.pending is not None:
-            self._keep(self.pending(), whole=True)
+            last = self.pending()
+            if last.total is not None and len(last.ids) != last.total:
+                raise WireError(
+                    f"meta_info.output_token_logprobs_length: {last.total} for a held chunk "
+                    f"of {len(last.ids)} tokens"
+                )
+            self._keep(last, whole=True)
         self.pending = None
-        whole = whole or self.n == 0
         if not whole and total is not None and self.n + n != total:
             raise WireError(
                 f"meta_info.output_token_logprobs_length: {total} is neither the chunk's "
