@@ -346,10 +346,13 @@ def test_arrays_too_small_or_read_only_are_refused_not_overrun(bad: tuple[str, A
         fn(*args)
 
 
-def _vllm_answers(kind: str, stream: bool, versions: bool) -> tuple[list[bytes], Any]:
+def _vllm_answers(
+    kind: str, stream: bool, versions: bool, asks: bool = False
+) -> tuple[list[bytes], Any]:
     """Every answer or frame payload the vLLM stand-in writes for a client that asked for
-    neither log-probs nor ids, and the proxy's plan for that client. Written once, so both
-    readers see the same bytes (the stand-in stamps ``created`` with the clock)."""
+    neither log-probs nor ids (with ``asks``, for one that asked for both), and the proxy's
+    plan for that client. Written once, so both readers see the same bytes (the stand-in
+    stamps ``created`` with the clock)."""
     import sys
 
     from tests.helpers.procs import REPO
@@ -358,11 +361,14 @@ def _vllm_answers(kind: str, stream: bool, versions: bool) -> tuple[list[bytes],
     sys.path.insert(0, str(REPO / "benchmarks"))
     import vllm_standin as standin
 
-    client = {"max_tokens": 40, "stream": stream}
+    client: dict[str, Any] = {"max_tokens": 40, "stream": stream}
+    if asks:
+        client.update(logprobs=True if kind == "chat" else 0, return_token_ids=True)
     if kind == "generate":
-        client = {"token_ids": [1, 2], "sampling_params": {"max_tokens": 40}, "stream": stream}
+        params = {"max_tokens": 40, **({"logprobs": 0} if asks else {})}
+        client = {"token_ids": [1, 2], "sampling_params": params, "stream": stream}
     plan = plan_request(kind, client)
-    assert plan is not None and plan.changed
+    assert plan is not None and plan.changed is not asks
     req = standin.Req(kind, plan.body, b"r1", versions)
     if not stream:
         return [standin.answer(req)], plan
@@ -396,3 +402,26 @@ def test_vllm_answers_edit_and_read_alike_on_both_readers(kind: str, stream: boo
     with reader("fallback"):
         f = _vllm_parts(payloads, plan)
     assert c == f and c
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat", "generate"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_answers_nothing_is_cut_from_read_alike_on_both_trees(
+    kind: str, stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asked for log-probs and ids: on the C reader `tree_of` reads its answers
+    under `SMALL_BYTES` (every stream chunk) with orjson; the walk's tree, forced, reads them
+    the same, and the client's bytes are the upstream's."""
+    from timwatch.sidecar.proxy.vllm import edit, tree
+
+    payloads, plan = _vllm_answers(kind, stream, True, asks=True)
+    with reader("c"):
+        for p in payloads:
+            small = len(p) < tree.SMALL_BYTES
+            assert isinstance(tree.tree_of(p, cut=False), tree.ObjectTree) is small
+            assert isinstance(tree.tree_of(p, cut=True), tree.SpanTree)
+        default = _vllm_parts(payloads, plan)
+        monkeypatch.setattr(edit, "tree_of", lambda buf, cut: tree.SpanTree(buf))
+        spans = _vllm_parts(payloads, plan)
+    assert default == spans and default
+    assert [edit.edit_answer(p, plan)[0] for p in payloads] == payloads

@@ -176,7 +176,7 @@ def edit_answer(
     top-level values (``id``, ``request_id``, weight versions). Raises `NotFast` when ``buf``
     is not one JSON object with a ``choices`` list, `WireError` when a choice lacks what was
     asked for."""
-    tree = tree_of(buf)
+    tree = tree_of(buf, cut=plan.changed)
     root = tree.root
     cuts: list[Node] = []
     top_prompt = tree.member(root, "prompt_token_ids")

@@ -4,9 +4,10 @@ Where the C reader is built, `SpanTree` holds the spans its structural walk give
 (`native.walk`, down to each choice's ``logprobs`` members): only the values read are parsed,
 by orjson from their spans, a chat answer's per-token log-probs are gathered in C
 (`native`'s ``member_values``), and members are cut in place, every other byte the
-upstream's. Without it, `ObjectTree` holds orjson's objects for the whole answer and writes
-the answer again when a member is cut. Both answer every question alike
-(tests/unit/test_cstream.py); a node is a row of the walk or an object, opaque to callers.
+upstream's. Without it, and for a small answer nothing is cut from (`tree_of`), `ObjectTree`
+holds orjson's objects for the whole answer and writes the answer again when a member is cut.
+Both answer every question alike (tests/unit/test_cstream.py); a node is a row of the walk or
+an object, opaque to callers.
 """
 
 from __future__ import annotations
@@ -165,9 +166,19 @@ class ObjectTree(Tree):
         return orjson.dumps(self.doc)
 
 
-def tree_of(buf: bytes) -> Tree:
-    """The answer's tree on the C reader where it is switched on, else on orjson's objects."""
-    return SpanTree(buf) if native.cstream() is not None else ObjectTree(buf)
+SMALL_BYTES = 4096
+
+
+def tree_of(buf: bytes, *, cut: bool) -> Tree:
+    """The answer's tree on the C reader where it is switched on, else on orjson's objects.
+
+    An answer shorter than `SMALL_BYTES` that nothing will be cut from (its client asked for
+    log-probs and token ids itself) is orjson's on either reader: parsing a small answer whole
+    costs less than the walk, and only a cut needs the spans (`python
+    benchmarks/vllm_proxy_throughput.py --profile` times both trees by answer size)."""
+    if native.cstream() is None or (not cut and len(buf) < SMALL_BYTES):
+        return ObjectTree(buf)
+    return SpanTree(buf)
 
 
 def ints(tree: Tree, node: Node, where: str) -> np.ndarray:
