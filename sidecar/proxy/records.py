@@ -34,7 +34,6 @@ __all__ = [
     "version_as_int",
     "version_runs",
     "runs_from_versions",
-    "versions_from_runs",
     "weight_spans",
 ]
 
@@ -112,11 +111,6 @@ def runs_from_versions(versions: Sequence[str | None]) -> tuple[tuple[str | None
     return tuple((label, sum(1 for _ in same)) for label, same in groupby(versions))
 
 
-def versions_from_runs(runs: Sequence[Sequence[Any]]) -> tuple[str | None, ...]:
-    """Inverse of `runs_from_versions`: one label per token."""
-    return tuple(label for label, count in runs for _ in range(int(count)))
-
-
 def version_as_int(label: str | None) -> int | None:
     """An engine's weight-version label as an int (``"7"``, ``"step-7"``, ``"v_7"``), else None."""
     if label is None:
@@ -149,10 +143,6 @@ def _ids(values: Any) -> np.ndarray:
 
 def _floats(values: Any) -> np.ndarray:
     return _owned(np.ascontiguousarray(values, dtype=np.float64))
-
-
-def _list(values: np.ndarray | None) -> list[Any] | None:
-    return None if values is None else values.tolist()
 
 
 class RolloutRecord:
@@ -226,8 +216,8 @@ class RolloutRecord:
 
     @property
     def versions(self) -> tuple[str | None, ...]:
-        """The weight-version label of each output token."""
-        return versions_from_runs(self.runs)
+        """The weight-version label of each output token (`runs` expanded)."""
+        return tuple(label for label, count in self.runs for _ in range(count))
 
     def versions_as_int(self) -> list[int] | None:
         """Per-token versions as ints when every label is an integer (``"7"``, ``"step-7"``)."""
@@ -251,23 +241,11 @@ class RolloutRecord:
         return self.output_ids.astype(np.int64).tobytes()
 
     def to_dict(self) -> dict[str, Any]:
-        """The record as JSON-ready lists, one entry per token."""
-        return {
-            "rid": self.rid,
-            "input_ids": _list(self.input_ids),
-            "output_ids": self.output_ids.tolist(),
-            "logp": self.logp.tolist(),
-            "versions": list(self.versions),
-            "finish_reason": self.finish_reason,
-            "weight_version": self.weight_version,
-            "entropy_lower": _list(self.entropy_lower),
-            "entropy_tail": _list(self.entropy_tail),
-            "entropy_source": self.entropy_source,
-            "created": self.created,
-            "engine": self.engine,
-            "sampling": self.sampling,
-            "logprobs_mode": self.logprobs_mode,
-        }
+        """The record as JSON-ready lists, one entry per token (``versions`` for ``runs``)."""
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "runs"}
+        for k in ("input_ids", "output_ids", "logp", "entropy_lower", "entropy_tail"):
+            out[k] = None if out[k] is None else out[k].tolist()
+        return out | {"versions": list(self.versions)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RolloutRecord:

@@ -170,12 +170,9 @@ SMALL_BYTES = 4096
 
 
 def tree_of(buf: bytes, *, cut: bool) -> Tree:
-    """The answer's tree on the C reader where it is switched on, else on orjson's objects.
-
-    An answer shorter than `SMALL_BYTES` that nothing will be cut from (its client asked for
-    log-probs and token ids itself) is orjson's on either reader: parsing a small answer whole
-    costs less than the walk, and only a cut needs the spans (`python
-    benchmarks/vllm_proxy_throughput.py --profile` times both trees by answer size)."""
+    """The answer's tree: the C walk's where the C reader is on, except for an answer under
+    `SMALL_BYTES` nothing is cut from, which orjson parses whole in less time (only a cut needs
+    spans; `benchmarks/vllm_proxy_throughput.py --profile` times both by size)."""
     if native.cstream() is None or (not cut and len(buf) < SMALL_BYTES):
         return ObjectTree(buf)
     return SpanTree(buf)
