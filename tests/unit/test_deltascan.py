@@ -226,13 +226,13 @@ def test_a_chunk_whose_total_disagrees_refuses_its_sample_once(bad: int, total: 
     and its later chunks are not read into a record of the tokens after it. Found by
     hypothesis: a first chunk's total of 0 was taken as whole on the fallback, and on the C
     reader the next chunk was held as a cumulative one of 2 tokens."""
-    frames = [_frame(i, 12, "a", "-0.5", i) for i in range(1, 13)]
+    good = [_frame(i, 12, "a", "-0.5", i) for i in range(1, 13)]
+    frames = list(good)
     frames[bad - 1] = frames[bad - 1].replace(
         b'"output_token_logprobs_length":%d,' % bad, b'"output_token_logprobs_length":%d,' % total
     )
     got, errors = _captured([b"".join(frames)])
     assert (errors, got) == (1, [])
-    good = [_frame(i, 12, "a", "-0.5", i) for i in range(1, 13)]
     got, errors = _captured([b"".join(good)])
     assert errors == 0 and got[0].output_ids.tolist() == list(range(1, 13))
 
