@@ -40,7 +40,9 @@ __all__ = [
 ]
 
 #: the environment that runs vLLM's CPU build here (no GPU, nothing from a hub); dev mode
-#: enables /collective_rpc, /update_weight_version, /weight_info, /pause and /resume
+#: enables /collective_rpc, /update_weight_version, /weight_info, /pause and /resume; without
+#: multiprocessing (and ``--distributed-executor-backend uni``) the model runs in the engine-core
+#: process, not in a third process that imports torch and vLLM again
 VLLM_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_TARGET_DEVICE": "cpu",
@@ -48,6 +50,7 @@ VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "PYTHONFAULTHANDLER": "1",  # a process killed by a signal logs where it was
 }
 BUILDER = Path(__file__).with_name("hf_model.py")
@@ -101,8 +104,9 @@ def _die_with_parent() -> None:
 @dataclass
 class VllmProcess:
     """One vLLM OpenAI server on ``port`` serving ``model_dir`` in ``dtype`` with
-    ``--enforce-eager --max-model-len 512`` and ``extra``; `start` returns once ``/health``
-    answers and ``/v1/models`` lists the model, `stop` ends its whole process group."""
+    ``--enforce-eager --max-model-len 512 --distributed-executor-backend uni`` and ``extra``;
+    `start` returns once ``/health`` answers and ``/v1/models`` lists the model, `stop` ends its
+    whole process group."""
 
     python: str
     model_dir: Path
@@ -127,7 +131,8 @@ class VllmProcess:
         cmd = [
             self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-            "--max-model-len", "512", "--enforce-eager", "--seed", "0", *self.extra,
+            "--max-model-len", "512", "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--seed", "0", *self.extra,
         ]  # fmt: skip
         LOCK.parent.mkdir(parents=True, exist_ok=True)
         self._lock = LOCK.open("a")
