@@ -47,12 +47,15 @@ def _package(tmp: Path) -> Path:
 
 
 def _run(tmp: Path, **env: str) -> tuple[float, str]:
-    """The probe's result in a fresh interpreter, and numba's cache log."""
+    """The probe's result in a fresh interpreter, and numba's cache log. Python writes no
+    bytecode there: the edit keeps the file's size and may land in the second of the last run,
+    which Python's own ``.pyc`` check (mtime in whole seconds and size) cannot tell apart."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    base.update(PYTHONPATH=str(tmp), PYTHONDONTWRITEBYTECODE="1", NUMBA_DEBUG_CACHE="1")
     done = subprocess.run(
         [sys.executable, "-c", "from twcore.probe import probe; print(probe())"],
         cwd=tmp,
-        env={**base, "PYTHONPATH": str(tmp), "NUMBA_DEBUG_CACHE": "1", **env},
+        env={**base, **env},
         capture_output=True,
         text=True,
         timeout=120,
