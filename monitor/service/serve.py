@@ -147,10 +147,11 @@ def run_server(settings: Settings, *, log_level: str = "info", out: TextIO = sys
         import uvicorn
 
         from ..core.engine import warm_up
+
+        store = open_store(settings.db_url)  # a store that cannot open fails before the rest loads
+        warm_up()
         from .app import create_app
 
-        warm_up()
-        store = open_store(settings.db_url)
         app = create_app(settings, store=store)
         print(startup_line(settings, store.description), file=out, flush=True)
         config = uvicorn.Config(
