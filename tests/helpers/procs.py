@@ -5,6 +5,7 @@ one server a test session shares (`shared_server_proc`)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,8 +47,49 @@ SHARED_READ_TOKEN = "shared-read-token"
 SHARED_MAX_BODY = 32 * 1024
 
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 15000
+_SLICES = 9  # one per pytest process: the controller (or a run without xdist), gw0 .. gw7
+_ports: list[int] = []  # this process's slice, in the order it hands them out
+
+
+def _port_slice() -> list[int]:
+    """This process's ports: a slice of those below the kernel's ephemeral range (no outgoing
+    connection is given one of them), its own per xdist worker, walked from a random start so
+    that two test sessions on one host rarely meet."""
+    try:
+        low = int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    width = (low - _LOWEST) // _SLICES
+    if width < 64:
+        return []
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) % (_SLICES - 1) + 1 if worker[2:].isdigit() else 0
+    first = _LOWEST + index * width
+    start = random.randrange(width)
+    return [first + (start + k) % width for k in range(width)]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port on 127.0.0.1 nothing listens on, for a server the test starts next.
+
+    A port the kernel picked (bind to port 0) is in its ephemeral range: between the pick and
+    the server's bind, any outgoing connection (a scrape, a readiness probe, a database
+    client) may take it as its local port, and the server fails with EADDRINUSE. Ports come
+    from `_port_slice` instead, each handed out once per walk, and only if it binds now."""
+    if not _ports:
+        _ports.extend(_port_slice())
+    for _ in range(len(_ports)):
+        port = _ports.pop(0)
+        _ports.append(port)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no slice below the ephemeral range on this host
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
