@@ -109,7 +109,7 @@ def _warm_up_vllm(console: Console, stack: ExitStack, status: Any, **train: Any)
     import tempfile
     from pathlib import Path
 
-    from .vllm_engine import find_python, free_port
+    from .vllm_engine import find_python
     from .vllm_train import VllmDemoTrainer
 
     python = find_python()
@@ -125,7 +125,7 @@ def _warm_up_vllm(console: Console, stack: ExitStack, status: Any, **train: Any)
     stack.callback(shutil.rmtree, workdir, True)
     status.update("building the tiny Llama and its tokenizer (in the vLLM venv)…")
     t = time.monotonic()
-    trainer = VllmDemoTrainer(python=python, workdir=workdir, port=free_port(), **train)
+    trainer = VllmDemoTrainer(python=python, workdir=workdir, **train)
     stack.callback(trainer.close)
     console.print(
         f"  tiny Llama of {trainer.parameters:,} parameters built in {time.monotonic() - t:.1f} s"

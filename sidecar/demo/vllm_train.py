@@ -50,7 +50,7 @@ class VllmDemoTrainer:
     returns its mean reward; `close` stops the threads and the server."""
 
     def __init__(
-        self, *, python: str, workdir: Path, port: int, precision: str, batch: int,
+        self, *, python: str, workdir: Path, precision: str, batch: int,
         max_new_tokens: int, updates: int, lr: float, seed: int, threads: int,
     ) -> None:  # fmt: skip
         if precision not in DTYPES:
@@ -66,8 +66,8 @@ class VllmDemoTrainer:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.history = {0: _copy_state(self.model)}
         self.server = VllmProcess(
-            python, self.model_dir, workdir / "vllm.log", port, DTYPES[precision],
-            ("--enable-scale-out",),
+            python, self.model_dir, workdir / "vllm.log", dtype=DTYPES[precision],
+            extra=("--enable-scale-out",),
         )  # fmt: skip
         self.engine: EngineClient | None = None
         self.done: queue.Queue[Generation | BaseException] = queue.Queue()

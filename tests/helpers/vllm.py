@@ -23,7 +23,6 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tests.helpers.procs import free_port
 from timwatch.sidecar.demo.vllm_engine import (
     BUILDER,
     VLLM_ENV,
@@ -72,11 +71,12 @@ def vllm_server(
     python: str, model_dir: Path, log: Path, *, dtype: str = "bfloat16",
     extra: tuple[str, ...] = (), timeout: float = 600.0, env: dict[str, str] | None = None,
 ) -> Iterator[VllmProcess]:  # fmt: skip
-    """``python -m vllm.entrypoints.openai.api_server`` on a free 127.0.0.1 port serving
-    ``model_dir`` in ``dtype`` (``--enforce-eager``, ``--max-model-len 512``, ``EXTRA``), up once
-    ``/health`` answers 200 and ``/v1/models`` lists it; stopped with its whole process group
-    on exit. Holds the machine-wide vLLM lock from before the start until after the stop."""
-    server = VllmProcess(python, model_dir, log, free_port(), dtype, extra, dict(env or {}))
+    """``python -m vllm.entrypoints.openai.api_server`` on a 127.0.0.1 port `VllmProcess`
+    chooses (``port`` 0, as the demo starts it) serving ``model_dir`` in ``dtype``
+    (``--enforce-eager``, ``--max-model-len 512``, ``EXTRA``), up once ``/health`` answers 200
+    and ``/v1/models`` lists it; stopped with its whole process group on exit. Holds the
+    machine-wide vLLM lock from before the start until after the stop."""
+    server = VllmProcess(python, model_dir, log, dtype=dtype, extra=extra, env=dict(env or {}))
     server.start(timeout)
     try:
         yield server
