@@ -108,9 +108,8 @@ def _request() -> bytes:
     )
 
 
-def _read_answer(sock: socket.socket, size: int = 65536) -> tuple[bytes, bytes]:
-    """(head, raw chunked body up to and including the last chunk) from a keep-alive socket,
-    read ``size`` bytes at a time."""
+def _read_head(sock: socket.socket, size: int) -> tuple[bytes, bytes]:
+    """(head, the body bytes read with it) of the next answer on a keep-alive socket."""
     data = b""
     while b"\r\n\r\n" not in data:
         more = sock.recv(size)
@@ -118,6 +117,13 @@ def _read_answer(sock: socket.socket, size: int = 65536) -> tuple[bytes, bytes]:
             raise ConnectionError(f"closed in the head: {data!r}")
         data += more
     head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _read_answer(sock: socket.socket, size: int = 65536) -> tuple[bytes, bytes]:
+    """(head, raw chunked body up to and including the last chunk) from a keep-alive socket,
+    read ``size`` bytes at a time."""
+    head, rest = _read_head(sock, size)
     parts, tail, total = [rest], rest[-16:], len(rest)
     while not (tail.endswith(b"\r\n0\r\n\r\n") or (total == 5 and tail == b"0\r\n\r\n")):
         more = sock.recv(size)
@@ -132,13 +138,7 @@ def _read_answer_length(sock: socket.socket, size: int) -> tuple[bytes, int]:
     """(head, de-chunked body length) of one chunked answer from a keep-alive socket, counted
     as it arrives: no copy of the body is kept, so the next request follows at once (the
     proxy's server closes a connection idle for 5 s, as uvicorn does by default)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        more = sock.recv(size)
-        if not more:
-            raise ConnectionError(f"closed in the head: {data!r}")
-        data += more
-    head, _, buf = data.partition(b"\r\n\r\n")
+    head, buf = _read_head(sock, size)
     length, skip = 0, 0  # skip: bytes of the current chunk's data and its CRLF still unread
     while True:
         if skip and len(buf) < skip:
