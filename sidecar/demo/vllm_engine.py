@@ -138,8 +138,9 @@ class VllmProcess:
         self._lock = LOCK.open("a")
         fcntl.flock(self._lock, fcntl.LOCK_EX)  # never two vLLM servers at once
         choose = self.port == 0
+        tries = PORT_TRIES if choose else 1
         try:
-            for tries_left in range(PORT_TRIES - 1 if choose else 0, -1, -1):
+            for attempt in range(1, tries + 1):
                 if choose:
                     self.port = free_port()
                 t0 = time.monotonic()
@@ -147,7 +148,7 @@ class VllmProcess:
                     self._launch()
                     self._wait_ready(t0 + timeout)
                 except RuntimeError:
-                    if not (tries_left and self._port_taken()):
+                    if attempt == tries or not self._port_taken():
                         raise
                     self._kill_group()
                     continue
