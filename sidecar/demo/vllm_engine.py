@@ -201,22 +201,26 @@ class VllmProcess:
 
     def _wait_ready(self, deadline: float) -> None:
         assert self.proc is not None
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited with {self.proc.returncode} while starting:\n"
-                    f"{self.output()[-6000:]}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    models = httpx.get(f"{self.url}/v1/models", timeout=5.0).json()
-                    if any(m.get("id") == self.model for m in models.get("data", [])):
-                        return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not become ready:\n{self.output()[-6000:]}")
-            time.sleep(0.5)
+        # one client for the whole wait (`httpx.get` loads the CA bundle on every call), without
+        # keep-alive: each probe is a new connection
+        probe = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
+        with probe:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"vLLM exited with {self.proc.returncode} while starting:\n"
+                        f"{self.output()[-6000:]}"
+                    )
+                try:
+                    if probe.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                        models = probe.get(f"{self.url}/v1/models").json()
+                        if any(m.get("id") == self.model for m in models.get("data", [])):
+                            return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM did not become ready:\n{self.output()[-6000:]}")
+                time.sleep(0.5)
 
     def _port_taken(self) -> bool:
         """Whether this launch's server exited and its output ends with vLLM's failure to bind
