@@ -27,6 +27,7 @@ __all__ = [
     "SHARED_READ_TOKEN",
     "SHARED_TOKEN",
     "ServerProc",
+    "answers_200",
     "fake_sglang_process",
     "free_port",
     "running_process",
@@ -45,6 +46,22 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED_TOKEN = "shared-write-token"
 SHARED_READ_TOKEN = "shared-read-token"
 SHARED_MAX_BODY = 32 * 1024
+
+
+# One client for every readiness probe: `httpx.get` builds a client, and with it an SSL context
+# that loads the CA bundle, per call (about 40 ms of CPU here, against 0.3 ms for a request on a
+# client), and a start polls 10-20 times while the server it waits on needs the same CPU. No
+# keep-alive: each probe opens a new connection, so a server restarted on the same port is
+# asked afresh.
+_PROBE = httpx.Client(timeout=1.0, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+def answers_200(url: str) -> bool:
+    """Whether a GET of ``url`` answers 200 now (False when nothing listens or it times out)."""
+    try:
+        return _PROBE.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -120,11 +137,8 @@ def running_process(args: list[str], ready_url: str) -> Iterator[subprocess.Pope
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, f"{args[:2]} exited with {proc.returncode}"
-            try:
-                if httpx.get(ready_url, timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if answers_200(ready_url):
+                break
             assert time.monotonic() < deadline, f"{ready_url} never came up"
             time.sleep(0.1)
         yield proc
@@ -161,11 +175,8 @@ class ServerProc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if answers_200(f"{self.url}/healthz"):
+                return self
             time.sleep(0.1)
         raise RuntimeError(f"server did not come up:\n{self.output()}")
 

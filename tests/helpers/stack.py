@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 
 from tests.helpers.batches import RawBatch
-from tests.helpers.procs import stop_process
+from tests.helpers.procs import answers_200, stop_process
 from tests.helpers.scripts import load_script
 
 __all__ = [
@@ -142,11 +142,8 @@ class Proc:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.ready_url, timeout=1.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
+            if answers_200(self.ready_url):
+                return self
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} not ready after {timeout} s:\n{self.tail()}")
 

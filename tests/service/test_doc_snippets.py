@@ -36,7 +36,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers.procs import REPO, free_port, server_env, stop_process
+from tests.helpers.procs import REPO, answers_200, free_port, server_env, stop_process
 
 DOCS = ("README.md", "docs/integrations.md")
 PYTHON = {"python", "py"}
@@ -225,11 +225,8 @@ def test_service_snippets(doc: str, tmp_path: Path) -> None:
         deadline = time.monotonic() + 120  # a readiness wait: a cold numba cache compiles first
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if answers_200(f"{url}/healthz"):
+                break
             assert time.monotonic() < deadline, "timwatch serve did not come up"
             time.sleep(0.2)
         env["TIMWATCH_URL"] = url
