@@ -70,7 +70,8 @@ def series_png(
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", ncols=3)
+    if ax.get_legend_handles_labels()[0]:  # nothing drawn: no empty legend (and no warning)
+        ax.legend(fontsize=7, loc="upper left", ncols=3)
     return _png(fig)
 
 

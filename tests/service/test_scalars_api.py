@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.cli import timwatch
 from tests.helpers.inproc import InProcessApp
 from tests.helpers.procs import SHARED_TOKEN, ServerProc
 from tests.helpers.wire import fresh_run
@@ -182,9 +183,8 @@ def test_prometheus_shows_the_latest_canonical_scalars_bounded_and_evicted(
 
 def test_a_scalars_only_run_in_timwatch_query(shared_server: ServerProc) -> None:
     import subprocess
-    import sys
 
-    from tests.helpers.procs import REPO, SHARED_READ_TOKEN
+    from tests.helpers.procs import SHARED_READ_TOKEN
     from timwatch.monitor.client import TimwatchClient
 
     run = fresh_run("scalars-cli")
@@ -196,11 +196,9 @@ def test_a_scalars_only_run_in_timwatch_query(shared_server: ServerProc) -> None
             )  # fmt: skip
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "timwatch", "query", run, *args, "--url", shared_server.url,
-             "--token", SHARED_READ_TOKEN],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        return timwatch(
+            "query", run, *args, "--url", shared_server.url, "--token", SHARED_READ_TOKEN
+        )
 
     csv = cli("--scalars", "-m", "kl_k1", "-m", "loss", "-m", "learning_rate", "--csv")
     assert csv.returncode == 0, csv.stderr
@@ -218,6 +216,7 @@ def test_a_scalars_only_run_in_timwatch_query(shared_server: ServerProc) -> None
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.filterwarnings("error:No artists with labels")  # an empty panel has no legend
 def test_a_scalars_only_run_renders_in_the_report(app: InProcessApp) -> None:
     with app.client() as c:
         for step in range(4):
@@ -240,10 +239,8 @@ def test_a_scalars_only_run_renders_in_the_report(app: InProcessApp) -> None:
 
 
 def test_diagnose_says_a_run_sent_only_scalars(shared_server: ServerProc) -> None:
-    import subprocess
-    import sys
 
-    from tests.helpers.procs import REPO, SHARED_READ_TOKEN
+    from tests.helpers.procs import SHARED_READ_TOKEN
     from timwatch.monitor.client import TimwatchClient
 
     run = fresh_run("scalars-diag")
@@ -259,11 +256,7 @@ def test_diagnose_says_a_run_sent_only_scalars(shared_server: ServerProc) -> Non
     }  # fmt: skip
     for n in diag["not_checked"]:
         assert "sent only its trainer's scalars (2 steps, from prime_rl)" in n["reason"]
-    out = subprocess.run(
-        [sys.executable, "-m", "timwatch", "diagnose", run, "--url", shared_server.url,
-         "--token", SHARED_READ_TOKEN],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    out = timwatch("diagnose", run, "--url", shared_server.url, "--token", SHARED_READ_TOKEN)
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert "trainer scalars: 2 steps (4–5) from prime_rl" in text
