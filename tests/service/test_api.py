@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.batches import split_at
+from tests.helpers.cli import timwatch
 from tests.helpers.inproc import InProcessApp
 from tests.helpers.procs import REPO, SHARED_MAX_BODY, SHARED_READ_TOKEN, SHARED_TOKEN, ServerProc
 from tests.helpers.wire import SAFETENSORS, as_batch, counters, fresh_run, norm, post, raw_batch
@@ -50,11 +51,7 @@ def test_answer_equals_timwatch_analyze_json(app: InProcessApp, tmp_path: Path) 
     raw = raw_batch(2, step=3)
     path = tmp_path / "batch.safetensors"
     path.write_bytes(raw.to_safetensors_bytes())
-    proc = subprocess.run(
-        [sys.executable, "-m", "timwatch", "analyze", str(path),
-         "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    proc = timwatch("analyze", str(path), "--json")
     assert proc.returncode == 0, proc.stderr
     with app.client() as c:
         r = post(c, "analyze-run", raw, "safetensors")
@@ -379,11 +376,7 @@ def test_cli_runs_query_show_report(shared_server: ServerProc) -> None:
         series = c.metrics(run, ["mismatch_kl"])["series"]["mismatch_kl"]
 
     def cli(*args: str) -> str:
-        p = subprocess.run(
-            [sys.executable, "-m", "timwatch", *args, "--url", shared_server.url,
-             "--token", SHARED_READ_TOKEN],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        p = timwatch(*args, "--url", shared_server.url, "--token", SHARED_READ_TOKEN)
         assert p.returncode == 0, p.stdout + p.stderr
         return p.stdout
 

@@ -1,14 +1,14 @@
-"""`timwatch analyze` as a user runs it: a real subprocess on the shipped example batches."""
+"""`timwatch analyze` as a user runs it, on the shipped example batches (the program in this
+process: `tests.helpers.cli.timwatch`)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import timwatch
 from timwatch.monitor.core.batch import Batch
 from timwatch.monitor.core.engine import analyze
 from timwatch.monitor.core.masks import POLICIES, SEQUENCE_POLICIES, PolicyParams
@@ -16,16 +16,6 @@ from timwatch.monitor.core.row import SCALAR_METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "batch.json"
-
-
-def timwatch(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "timwatch", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_json_output_is_one_object_keyed_by_spec_names() -> None:

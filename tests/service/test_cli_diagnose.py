@@ -1,27 +1,23 @@
-"""``timwatch diagnose`` as a user runs it: a subprocess against a real server; the table and
-``--json`` show the API's diagnosis; bad input is one line on stderr and exit code 2."""
+"""``timwatch diagnose`` as a user runs it (the program in this process) against a real server;
+the table and ``--json`` show the API's diagnosis; bad input is one line on stderr and exit
+code 2."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
+from tests.helpers.cli import clean_env
+from tests.helpers.cli import timwatch as run_timwatch
 from tests.helpers.diagnosis_batches import labelled_batch
-from tests.helpers.procs import REPO, SHARED_READ_TOKEN, ServerProc
+from tests.helpers.procs import SHARED_READ_TOKEN, ServerProc
 from tests.helpers.wire import fresh_run
 
 
 def timwatch(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIMWATCH_")}
-    env["COLUMNS"] = "240"
-    return subprocess.run(
-        [sys.executable, "-m", "timwatch", *args], cwd=REPO, env=env, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+    return run_timwatch(*args, env=clean_env(COLUMNS="240"))
 
 
 @pytest.fixture

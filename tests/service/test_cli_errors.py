@@ -1,6 +1,10 @@
 """Every mistake a new user makes on the command line ends in ONE line on stderr that says what
-to do, exit code 2, and no traceback: real ``python -m timwatch`` subprocesses in a scratch
-directory, a real server where one is needed."""
+to do, exit code 2, and no traceback, in a scratch directory, a real server where one is needed.
+
+The program runs in this process (`tests.helpers.cli.timwatch`), except ``timwatch serve`` and
+the hostile files, which run as real ``python -m timwatch`` subprocesses (input that could crash
+an interpreter must not take the test's with it); `test_a_process_prints_what_main_prints`
+checks that both ways answer the same, byte for byte."""
 
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import numpy as np
 import pytest
 import typer
 
+from tests.helpers.cli import timwatch as in_process
+from tests.helpers.cli import timwatch_process as as_process
 from tests.helpers.procs import REPO, ServerProc, free_port
 from timwatch.monitor.cli.program import DEBUG_ENV, run
 
@@ -33,14 +39,13 @@ CLEAN_ENV = {
 def timwatch(
     *args: str, cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "timwatch", *args],
-        cwd=cwd,
-        env={**CLEAN_ENV, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return in_process(*args, cwd=cwd, env={**CLEAN_ENV, **(env or {})}, timeout=120)
+
+
+def timwatch_process(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return as_process(*args, cwd=cwd, env={**CLEAN_ENV, **(env or {})}, timeout=120)
 
 
 def one_error_line(p: subprocess.CompletedProcess[str], *fragments: str) -> str:
@@ -253,6 +258,33 @@ def test_a_bug_is_one_line_too_and_debug_shows_the_traceback(
         run(app, [], prog_name="tool")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["analyze", "missing.json"],
+        ["analyze", str(EXAMPLE), "--tau", "-1"],
+        ["runs", "--url", "localhost:8000"],
+        ["query", "r"],
+        ["no-such-command"],
+        ["analyze", str(EXAMPLE)],
+        ["analyze", str(EXAMPLE), "--json"],
+        ["gate", "--help"],
+    ],
+    ids=lambda a: " ".join(a).replace(str(EXAMPLE), "EXAMPLE"),
+)
+def test_a_process_prints_what_main_prints(tmp_path: Path, args: list[str]) -> None:
+    """The in-process runner stands for ``python -m timwatch``: same exit code, stdout, stderr."""
+    env = {"COLUMNS": "120"}
+    process = timwatch_process(*args, cwd=tmp_path, env=env)
+    here = timwatch(*args, cwd=tmp_path, env=env)
+    assert (here.returncode, here.stdout, here.stderr) == (
+        process.returncode,
+        process.stdout,
+        process.stderr,
+    )
+    assert process.stdout or process.stderr
+
+
 # ------------------------------------------------------------------ analyze: hostile files
 
 
@@ -316,7 +348,7 @@ def test_analyze_hostile_file_is_one_line(
     tmp_path: Path, name: str, data: bytes, fragments: list[str]
 ) -> None:
     (tmp_path / name).write_bytes(data)
-    p = timwatch("analyze", name, cwd=tmp_path)
+    p = timwatch_process("analyze", name, cwd=tmp_path)
     one_error_line(p, *fragments)
     assert p.stdout == ""
 

@@ -1,19 +1,20 @@
-"""``timwatch gate`` and ``timwatch compare`` as CI runs them: subprocesses on runs of the
-demo's real RL loop (`tests.helpers.demo_batches`: bf16 and fp32 engine copies against the fp32
-trainer) read from batch-file directories (no service) and from a real server; exit 0 pass,
-1 fail, 2 error with one line on stderr naming the problem."""
+"""``timwatch gate`` and ``timwatch compare`` as CI runs them (the program run in this process,
+`tests.helpers.cli.timwatch`) on runs of the demo's real RL loop (`tests.helpers.demo_batches`:
+bf16 and fp32 engine copies against the fp32 trainer) read from batch-file directories (no
+service) and from a real server; exit 0 pass, 1 fail, 2 error with one line on stderr naming the
+problem."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.helpers.cli import clean_env
+from tests.helpers.cli import timwatch as run_timwatch
 from tests.helpers.demo_batches import write_demo_run
 from tests.helpers.procs import REPO, SHARED_READ_TOKEN, ServerProc
 from tests.helpers.wire import fresh_run
@@ -23,13 +24,7 @@ ID = ["--model", "tiny-lm", "--engine", "embedded"]
 
 
 def timwatch(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIMWATCH_")}
-    env["COLUMNS"] = "240"
-    env["PYTHONPATH"] = str(REPO)
-    return subprocess.run(
-        [sys.executable, "-m", "timwatch", *args], cwd=cwd, env=env, capture_output=True,
-        text=True, timeout=300,
-    )  # fmt: skip
+    return run_timwatch(*args, cwd=cwd, env=clean_env(COLUMNS="240"))
 
 
 @pytest.fixture(scope="module")

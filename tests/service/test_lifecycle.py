@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers.cli import timwatch
 from tests.helpers.clock import FakeClock
 from tests.helpers.inproc import InProcessApp
 from tests.helpers.procs import REPO, SHARED_READ_TOKEN, SHARED_TOKEN, ServerProc
@@ -121,10 +122,7 @@ def test_finish_needs_the_write_token(shared_server: ServerProc) -> None:
 
 
 def timwatch_finish(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "timwatch", "finish", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    return timwatch("finish", *args)
 
 
 def one_line(p: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -147,10 +145,7 @@ def test_cli_finish(shared_server: ServerProc) -> None:
     assert '"already_finished":true' in second.stdout.replace(" ", "")
     with shared_server.client() as c:
         assert listed(c, run)["finished_at"] is not None
-    shown = subprocess.run(
-        [sys.executable, "-m", "timwatch", "runs", "--json", *at],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    shown = timwatch("runs", "--json", *at)
     assert shown.returncode == 0, shown.stderr
     assert next(r for r in loads(shown.stdout) if r["run"] == run)["finished_at"] is not None
     one_line(timwatch_finish(fresh_run("never"), *at), "not found")

@@ -8,7 +8,6 @@ import html
 import json
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,8 @@ import numpy as np
 import pytest
 
 from tests.helpers.batches import random_batch
-from tests.helpers.procs import REPO, ServerProc
+from tests.helpers.cli import timwatch
+from tests.helpers.procs import ServerProc
 from tests.helpers.report_runs import ingest_steps
 from tests.helpers.wire import as_batch
 from timwatch.monitor.client import TimwatchClient
@@ -101,11 +101,7 @@ def test_cli_writes_the_served_page(
     out = tmp_path / "report.html"
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "timwatch", "report", *args, "--url", srv.url,
-             "--token", READ],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        return timwatch("report", *args, "--url", srv.url, "--token", READ)
 
     p = cli("rep-1", "--html", str(out), "--from-step", "1", "--to-step", "4")
     assert p.returncode == 0, p.stdout + p.stderr
