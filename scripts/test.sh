@@ -6,10 +6,11 @@
 #
 #   scripts/test.sh --quick [pytest args]   the inner loop: linters, then the unit and service
 #                                           tiers only, without their load tests (no stack, no
-#                                           `slow` load tests, no vLLM engine tier) and without
-#                                           the tests inside real trainer packages (`framework`),
-#                                           installing only what those need (promtool,
-#                                           PostgreSQL, a compiler)
+#                                           `slow` load tests, no vLLM engine tier), without the
+#                                           tests inside real trainer packages (`framework`) and
+#                                           on SQLite only (no `postgres`: the full suite runs
+#                                           every store test on both), installing only what
+#                                           those need (promtool, a compiler)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # where the run's time goes, for CI's 30-minute budget: seconds since the start, on stderr
@@ -30,8 +31,8 @@ fi
 need=()
 # promtool: tests/unit/test_exporter.py and the proxies' metrics in tests/service
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 if [ "$QUICK" = 0 ]; then
+  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
   command -v prometheus-alertmanager >/dev/null 2>&1 || command -v alertmanager >/dev/null 2>&1 \
     || need+=(prometheus-alertmanager)
   command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
@@ -109,7 +110,7 @@ trap 'rm -f "$TIMWATCH_KERNEL_IR"' EXIT
 .venv/bin/python -m tests.helpers.kernel_ir --warm-up "$TIMWATCH_KERNEL_IR" &
 warming=$!
 phase "packages and .venv installed"
-if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
+if [ "$QUICK" = 0 ] && [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
   # a fresh cluster in a new directory for this run, stopped and removed when the script exits
   PGDIR="$(mktemp -d /tmp/timwatch-pg-tests.XXXXXX)"
   stop_pg() {
@@ -120,8 +121,10 @@ if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
   [ -n "$pg_url" ] || { echo "PostgreSQL did not start" >&2; exit 1; }
   export TIMWATCH_TEST_PG_URL="$pg_url"
 fi
-echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
-export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
+if [ "$QUICK" = 0 ]; then
+  echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
+  export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
+fi
 # the proxies read streams with the C code: a build that failed is an error, not numba quietly
 export TIMWATCH_NATIVE=1
 
@@ -142,7 +145,8 @@ if [ "$QUICK" = 1 ]; then
   # three workers: the quick tier's service tests mostly wait on their servers (175 s against
   # 189 s with two, same checkout, idle machine)
   .venv/bin/python -m pytest -p no:cacheprovider -n "${TIMWATCH_TEST_WORKERS:-3}" \
-    --dist loadfile -m "not vllm and not slow and not framework" tests/unit tests/service "$@"
+    --dist loadfile -m "not vllm and not slow and not framework and not postgres" \
+    tests/unit tests/service "$@"
   phase "quick tier (unit + service) done"
   exit 0
 fi

@@ -151,6 +151,10 @@ LONGEST_FIRST = (
     "service/test_durability.py",
     "stack/test_scaleout.py",
     "stack/test_demo.py",
+    "service/test_doc_snippets.py",
+    "service/test_hostile.py",
+    "service/test_cli_errors.py",
+    "service/test_serving.py",
 )
 
 
@@ -184,7 +188,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
         callspec = getattr(item, "callspec", None)
         on_pg = "pg_url" in getattr(item, "fixturenames", ()) or (
-            callspec is not None and callspec.params.get("db_url") == "postgresql"
+            callspec is not None  # a store parameter (`db_url`, a module's server) on PostgreSQL
+            and any(isinstance(v, str) and v == "postgresql" for v in callspec.params.values())
         )
         if on_pg:
             item.add_marker(pytest.mark.postgres)
