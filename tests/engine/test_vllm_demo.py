@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.procs import REPO
+from tests.helpers.cli import timwatch as run_timwatch
 from tests.helpers.vllm import Engines
 from timwatch.monitor.store import Store
 
@@ -43,14 +42,13 @@ NAMES = [
 def timwatch(
     *args: str, timeout: int = 1100, vllm_python: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", COLUMNS="200")
+    """``timwatch ARGS``: ``demo`` as a subprocess, ``gate`` and ``compare`` in this process
+    (`tests.helpers.cli.timwatch`)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
     env.pop("TIMWATCH_TOKEN", None)
     if vllm_python is not None:
         env["TIMWATCH_VLLM_PYTHON"] = vllm_python
-    return subprocess.run(
-        [sys.executable, "-m", "timwatch", *args], cwd=REPO, env=env, capture_output=True,
-        text=True, timeout=timeout,
-    )  # fmt: skip
+    return run_timwatch(*args, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
