@@ -203,8 +203,7 @@ class VllmProcess:
         assert self.proc is not None
         # one client for the whole wait (`httpx.get` loads the CA bundle on every call), without
         # keep-alive: each probe is a new connection
-        probe = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
-        with probe:
+        with httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0)) as probe:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(
