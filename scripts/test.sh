@@ -113,18 +113,18 @@ trap 'rm -f "$TIMWATCH_KERNEL_IR"' EXIT
 .venv/bin/python -m tests.helpers.kernel_ir --warm-up "$TIMWATCH_KERNEL_IR" &
 warming=$!
 phase "packages and .venv installed"
-if [ "$QUICK" = 0 ] && [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
-  # a fresh cluster in a new directory for this run, stopped and removed when the script exits
-  PGDIR="$(mktemp -d /tmp/timwatch-pg-tests.XXXXXX)"
-  stop_pg() {
-    bash .ci/stop-postgres.sh "$PGDIR" >/dev/null 2>&1 || true
-  }
-  trap 'stop_pg; rm -f "$TIMWATCH_KERNEL_IR"' EXIT
-  pg_url="$(PGDIR="$PGDIR" bash .ci/start-postgres.sh | tail -n1)"
-  [ -n "$pg_url" ] || { echo "PostgreSQL did not start" >&2; exit 1; }
-  export TIMWATCH_TEST_PG_URL="$pg_url"
-fi
-if [ "$QUICK" = 0 ]; then
+if [ "$QUICK" = 0 ]; then  # the quick tier runs no postgres test
+  if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
+    # a fresh cluster in a new directory for this run, stopped and removed when the script exits
+    PGDIR="$(mktemp -d /tmp/timwatch-pg-tests.XXXXXX)"
+    stop_pg() {
+      bash .ci/stop-postgres.sh "$PGDIR" >/dev/null 2>&1 || true
+    }
+    trap 'stop_pg; rm -f "$TIMWATCH_KERNEL_IR"' EXIT
+    pg_url="$(PGDIR="$PGDIR" bash .ci/start-postgres.sh | tail -n1)"
+    [ -n "$pg_url" ] || { echo "PostgreSQL did not start" >&2; exit 1; }
+    export TIMWATCH_TEST_PG_URL="$pg_url"
+  fi
   echo "PostgreSQL for the tests: $TIMWATCH_TEST_PG_URL" >&2
   export TIMWATCH_REQUIRE_PG=1  # a PostgreSQL test that would skip fails instead
 fi
