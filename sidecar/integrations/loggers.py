@@ -109,4 +109,4 @@ def install_verl_tracking_hook(tap: Tap, source: str = "verl") -> None:
         add_to_verl_tracking(self, _INSTALLED["tap"], _INSTALLED["source"])
 
     __init__._timwatch = True  # type: ignore[attr-defined]
-    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__init__ = __init__

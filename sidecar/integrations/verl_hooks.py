@@ -121,9 +121,10 @@ def install_engine_hooks(worker_module: Any = None) -> bool:
     `TrainingWorker.train_mini_batch` (forces entropy for `estr`, collects, reports)."""
     if worker_module is None:
         try:
-            from verl.workers import engine_workers as worker_module
+            from verl.workers import engine_workers
         except ImportError:
             return False
+        worker_module = engine_workers
     from verl.utils import tensordict_utils as tu
 
     worker_module.ppo_loss = estr_loss_wrapper(worker_module.ppo_loss)
@@ -159,9 +160,10 @@ def install_trainer_hook(trainer_cls: Any = None) -> bool:
     """Wrap `RayPPOTrainer._update_actor(batch)` to put `global_steps` into `batch.meta_info`."""
     if trainer_cls is None:
         try:
-            from verl.trainer.ppo.ray_trainer import RayPPOTrainer as trainer_cls
+            from verl.trainer.ppo.ray_trainer import RayPPOTrainer
         except ImportError:
             return False
+        trainer_cls = RayPPOTrainer
     if getattr(trainer_cls, "_timwatch_hooked", False):
         return True
     update = trainer_cls._update_actor
