@@ -82,6 +82,20 @@ if [ "$QUICK" = 0 ]; then
   export TIMWATCH_SCHEMATHESIS="$PWD/.venv-fuzz/bin/st"
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# numba's kernels compiled once into its cache before the tests (~50 s of one core on a fresh
+# clone, in the background while the rest is installed and the linters run): otherwise the first
+# processes of both workers compile the same kernels at once, each taking over a minute, while
+# tests wait for their servers. Compiled fresh (a clone's empty cache), the kernels' LLVM IR is
+# read there too, for tests/unit/test_kernel_refcounts.py (which otherwise compiles them all
+# again, ~2 min of one worker)
+TIMWATCH_KERNEL_IR="$(mktemp /tmp/timwatch-kernel-ir.XXXXXX)"
+export TIMWATCH_KERNEL_IR
+trap 'rm -f "$TIMWATCH_KERNEL_IR"' EXIT
+warming=""
+warm_up() {
+  .venv/bin/python -m tests.helpers.kernel_ir --warm-up "$TIMWATCH_KERNEL_IR" &
+  warming=$!
+}
 # the installs below are skipped while what they read is unchanged (pyproject.toml, setup.py,
 # the C reader's sources, the pinned trainer packages, this script): ~7 s of the inner loop
 stamp="$(cat pyproject.toml setup.py tests/requirements-*.txt "$0" \
@@ -92,6 +106,7 @@ if [ "$(cat .venv/installed.sha256 2>/dev/null)" != "$stamp" ]; then
   # thousands; 103 s for both installs here against 59 s without), while the tests import a
   # fraction of them and write those .pyc files on first import
   .venv/bin/python -m pip install -q --no-compile -e '.[test]'
+  warm_up  # needs only timwatch and numba: beside the trainer packages' install
   # the real trainer packages for their plug-ins' tests, without their own requirements (they
   # would replace torch==2.13.0): each with only what its imports need, pinned, in one call
   # (verl, TRL, AReaL's PPO actor, OpenRLHF, skyrl: tests/requirements-*.txt). Before the
@@ -101,17 +116,7 @@ if [ "$(cat .venv/installed.sha256 2>/dev/null)" != "$stamp" ]; then
     -r tests/requirements-openrlhf.txt -r tests/requirements-skyrl.txt
   echo "$stamp" > .venv/installed.sha256
 fi
-# numba's kernels compiled once into its cache before the tests (~2 min on a fresh clone, in
-# the background while the rest is installed and the linters run): otherwise the first
-# processes of both workers compile the same kernels at once, each taking over a minute, while
-# tests wait for their servers. Compiled fresh (a clone's empty cache), the kernels' LLVM IR is
-# read there too, for tests/unit/test_kernel_refcounts.py (which otherwise compiles them all
-# again, ~2 min of one worker)
-TIMWATCH_KERNEL_IR="$(mktemp /tmp/timwatch-kernel-ir.XXXXXX)"
-export TIMWATCH_KERNEL_IR
-trap 'rm -f "$TIMWATCH_KERNEL_IR"' EXIT
-.venv/bin/python -m tests.helpers.kernel_ir --warm-up "$TIMWATCH_KERNEL_IR" &
-warming=$!
+[ -n "$warming" ] || warm_up  # .venv was up to date
 phase "packages and .venv installed"
 if [ "$QUICK" = 0 ]; then  # the quick tier runs no postgres test
   if [ -z "${TIMWATCH_TEST_PG_URL:-}" ]; then
