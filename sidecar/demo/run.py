@@ -45,9 +45,10 @@ if TYPE_CHECKING:
 
     from .service import DemoService
     from .train import DemoTrainer
+    from .vllm_engine import VllmProcess
     from .vllm_train import VllmDemoTrainer
 
-__all__ = ["DEFAULT_DB", "PRECISIONS", "demo"]
+__all__ = ["DEFAULT_DB", "PRECISIONS", "demo", "run_demo"]
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 ENGINES = ("embedded", "vllm")
@@ -72,10 +73,10 @@ def _fetch(client: httpx.Client, run: str, last: int | None) -> list[dict[str, A
 
 def _warm_up(
     console: Console, stack: ExitStack, *, db: str, port: int, engine: str = "embedded",
-    **train: Any,
+    vllm_server: VllmProcess | None = None, **train: Any,
 ) -> tuple[DemoService, DemoTrainer | VllmDemoTrainer]:  # fmt: skip
-    """Kernels, service, torch and model (and with ``engine="vllm"`` the vLLM server), each
-    reported when ready."""
+    """Kernels, service, torch and model (and with ``engine="vllm"`` the vLLM server, or
+    ``vllm_server``'s weights), each reported when ready."""
     from ...monitor.core.engine import warm_up
     from .service import DemoService
 
@@ -92,7 +93,7 @@ def _warm_up(
         import torch
 
         if engine == "vllm":
-            return service, _warm_up_vllm(console, stack, status, **train)
+            return service, _warm_up_vllm(console, stack, status, vllm_server, **train)
         from .train import DemoTrainer
 
         trainer = DemoTrainer(**train)
@@ -103,8 +104,11 @@ def _warm_up(
     return service, trainer
 
 
-def _warm_up_vllm(console: Console, stack: ExitStack, status: Any, **train: Any) -> Any:
-    """The tiny Llama built by the vLLM venv, vLLM started on it, the rollout threads running."""
+def _warm_up_vllm(
+    console: Console, stack: ExitStack, status: Any, server: VllmProcess | None, **train: Any
+) -> Any:
+    """The tiny Llama built by the vLLM venv, vLLM started on it (or its weights loaded into
+    ``server``), the rollout threads running."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -125,14 +129,16 @@ def _warm_up_vllm(console: Console, stack: ExitStack, status: Any, **train: Any)
     stack.callback(shutil.rmtree, workdir, True)
     status.update("building the tiny Llama and its tokenizer (in the vLLM venv)…")
     t = time.monotonic()
-    trainer = VllmDemoTrainer(python=python, workdir=workdir, **train)
+    trainer = VllmDemoTrainer(python=python, workdir=workdir, server=server, **train)
     stack.callback(trainer.close)
     console.print(
         f"  tiny Llama of {trainer.parameters:,} parameters built in {time.monotonic() - t:.1f} s"
     )
-    status.update("starting vLLM (CPU build; about half a minute to a few minutes)…")
+    if server is None:
+        status.update("starting vLLM (CPU build; about half a minute to a few minutes)…")
     started = trainer.start()
-    console.print(f"  vLLM {trainer.server.dtype} on {trainer.server.url} ready in {started:.0f} s")
+    ready = f"ready in {started:.0f} s" if server is None else "already running, weights loaded"
+    console.print(f"  vLLM {trainer.server.dtype} on {trainer.server.url} {ready}")
     return trainer
 
 
@@ -209,31 +215,42 @@ def demo(
         raise typer.BadParameter(
             "--rope-dtype, --kv-cache-dtype and --teacher-decay are knobs of the embedded engine"
         )
-    console = make_console()
-    console.print("warming up: compiling the metric kernels and building the model…")
-    started = time.monotonic()
-    with ExitStack() as stack:
-        try:
-            service, trainer = _warm_up(
-                console, stack, db=db, port=port, engine=engine, precision=precision, lag=lag,
-                batch=batch, max_new_tokens=max_new_tokens, updates=updates, lr=lr, seed=seed,
-                threads=threads, rope_dtype=rope_dtype, kv_dtype=kv_cache_dtype,
-                teacher_decay=teacher_decay,
-            )  # fmt: skip
-        except KeyboardInterrupt:
-            console.print("interrupted during the warm-up: no step was trained")
-            raise typer.Exit(INTERRUPTED) from None
-        code = _train_and_report(
-            console, stack, service, trainer, steps=steps, run=run, db=db, hold=hold,
-            live=live, title=_title(engine, precision, lag),
-            started=started,
-        )  # fmt: skip
+    code = run_demo(
+        make_console(), steps=steps, db=db, port=port, run=run, hold=hold, live=live,
+        engine=engine, precision=precision, lag=lag, batch=batch, max_new_tokens=max_new_tokens,
+        updates=updates, lr=lr, seed=seed, threads=threads, rope_dtype=rope_dtype,
+        kv_dtype=kv_cache_dtype, teacher_decay=teacher_decay,
+    )  # fmt: skip
     # The process ends here. Its last garbage collections would walk every object torch, numba
     # and uvicorn made, 3-4 s on two busy cores (measured); frozen objects are not walked, and
     # nothing is left to finalize: the tap, the service and the store are closed.
     gc.freeze()
     if code:
         raise typer.Exit(code)
+
+
+def run_demo(
+    console: Console, *, steps: int, db: str, port: int, run: str, hold: bool, live: bool,
+    engine: str, vllm_server: VllmProcess | None = None, **train: Any,
+) -> int:  # fmt: skip
+    """`demo` once its options are checked (``train``: the trainer's, ``kv_cache_dtype`` as
+    ``kv_dtype``); the exit code. ``vllm_server``: a running vLLM for ``engine="vllm"`` to
+    train on instead of starting one (`VllmDemoTrainer`'s ``server``)."""
+    console.print("warming up: compiling the metric kernels and building the model…")
+    started = time.monotonic()
+    with ExitStack() as stack:
+        try:
+            service, trainer = _warm_up(
+                console, stack, db=db, port=port, engine=engine, vllm_server=vllm_server, **train
+            )
+        except KeyboardInterrupt:
+            console.print("interrupted during the warm-up: no step was trained")
+            return INTERRUPTED
+        return _train_and_report(
+            console, stack, service, trainer, steps=steps, run=run, db=db, hold=hold,
+            live=live, title=_title(engine, train["precision"], train["lag"]),
+            started=started,
+        )  # fmt: skip
 
 
 def _title(engine: str, precision: str, lag: int) -> str:

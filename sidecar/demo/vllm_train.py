@@ -52,7 +52,12 @@ class VllmDemoTrainer:
     def __init__(
         self, *, python: str, workdir: Path, precision: str, batch: int,
         max_new_tokens: int, updates: int, lr: float, seed: int, threads: int,
+        server: VllmProcess | None = None,
     ) -> None:  # fmt: skip
+        """``server``: a running vLLM to train on instead of starting one. It must serve a
+        model of this architecture (`llama`'s, from `build_model`, any seed) in ``precision``,
+        in dev mode with ``--enable-scale-out``; `start` loads this trainer's initial weights
+        into it as version 0, and `close` leaves it running."""
         if precision not in DTYPES:
             raise ValueError(f"the vLLM engine runs bf16 or fp32, not {precision}")
         torch.set_num_threads(threads)
@@ -65,7 +70,10 @@ class VllmDemoTrainer:
         self.old = llama.load(self.model_dir).eval()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.history = {0: _copy_state(self.model)}
-        self.server = VllmProcess(
+        if server is not None and server.dtype != DTYPES[precision]:
+            raise ValueError(f"the server runs {server.dtype}, not {DTYPES[precision]}")
+        self.owns_server = server is None
+        self.server = server or VllmProcess(
             python, self.model_dir, workdir / "vllm.log", dtype=DTYPES[precision],
             extra=("--enable-scale-out",),
         )  # fmt: skip
@@ -88,15 +96,20 @@ class VllmDemoTrainer:
         return self.model.vocab
 
     def start(self) -> float:
-        """Starts vLLM (returns its start time in seconds) and the rollout threads."""
-        self.server.start()
+        """Starts vLLM (returns its start time in seconds; 0 for a server given) and the
+        rollout threads."""
+        if self.owns_server:
+            self.server.start()
         self.engine = EngineClient(self.server.url, self.server.model)
-        self.engine.set_version("0")
+        if self.owns_server:
+            self.engine.set_version("0")
+        else:
+            self.engine.reload(self.model_dir, "0")  # this run's initial weights
         for i in range(self.batch):
             t = threading.Thread(target=self._rollouts, args=(i,), daemon=True)
             t.start()
             self.workers.append(t)
-        return float(self.server.started_s or 0.0)
+        return float(self.server.started_s or 0.0) if self.owns_server else 0.0
 
     def _rollouts(self, worker: int) -> None:
         """One rollout thread: start a request when the staleness bound allows it, stream it
@@ -232,11 +245,13 @@ class VllmDemoTrainer:
             shutil.rmtree(self.workdir / "weights" / f"v{old}", ignore_errors=True)
 
     def close(self) -> None:
-        """Stops the rollout threads (their requests in flight end with the server) and vLLM."""
+        """Stops the rollout threads (their requests in flight end with the server) and vLLM
+        (a server given runs on: the requests in flight end within ``max_new_tokens``)."""
         self.stopping.set()
         with self.cond:
             self.cond.notify_all()
-        self.server.stop()
+        if self.owns_server:
+            self.server.stop()
         for t in self.workers:
             t.join(timeout=10)
         if self.engine is not None:

