@@ -24,7 +24,8 @@ HERE = Path(__file__).resolve().parent
 # The tier's modules in the order that starts the fewest servers: the engine tests' bf16 server
 # (stopped after its reloads), then one fp32 server for the engine's history test, the proxy
 # tests and TRL's fp32 run (which plans fp32 first), then one bf16 server for TRL's bf16 and
-# ESTR runs; the demo last, which starts its own. Alphabetical order needs one start more.
+# ESTR runs; the demo last: its CLI run starts its own, then one fp32 server for the gate's
+# two runs. Alphabetical order needs one start more.
 ORDER = ("test_vllm_engine.py", "test_vllm_proxy.py", "test_trl_vllm.py", "test_vllm_demo.py")
 
 

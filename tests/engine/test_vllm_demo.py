@@ -35,7 +35,7 @@ from tests.helpers.vllm import FP32_EXTRA, Engines, VllmServer
 from timwatch.monitor.store import Store
 from timwatch.sidecar.demo.run import demo, run_demo
 
-pytestmark = pytest.mark.timeout(3600)  # three vLLM starts on a busy 2-core machine
+pytestmark = pytest.mark.timeout(3600)  # two vLLM starts on a busy 2-core machine
 
 STEPS = 6
 OPTIONS = {"engine": "vllm", "steps": STEPS, "batch": 4, "max_new_tokens": 32, "live": False}
