@@ -6,7 +6,8 @@ A fenced block is read with the HTML comment on the line right before it, if any
   in a scratch folder that links the repository's ``examples/`` and ``alerts/``, with
   ``timwatch`` and ``python`` on ``PATH`` meaning this checkout;
 - ``<!-- snippet: context NAME -->``: Python run after `CONTEXTS[NAME]` defined the names the
-  snippet takes as given (tensors of the right shapes), in the same interpreter;
+  snippet takes as given (tensors of the right shapes), in the same interpreter (marked
+  ``framework`` where that runs a trainer package's code, `IN_A_TRAINER`);
 - ``<!-- snippet: serve -->``: the ``timwatch serve`` command, started exactly as written plus
   ``--port`` (a free one); the document's ``service`` blocks then run against it, in order, with
   ``127.0.0.1:8000`` / ``localhost:8000`` pointed at that port and ``TIMWATCH_URL`` set, and
@@ -132,6 +133,9 @@ def snippets(doc: str) -> list[Snippet]:
 
 ALL = [s for doc in DOCS for s in snippets(doc)]
 STANDALONE = [s for s in ALL if s.kind not in ("serve", "service")]
+#: the contexts whose snippets run a real trainer package's code (verl's policy loss): marked
+#: `framework`, like the tests inside those packages (verl's imports alone take ~9 s of CPU)
+IN_A_TRAINER = {"verl_micro_batch"}
 
 
 def scratch(tmp_path: Path) -> dict[str, str]:
@@ -176,7 +180,16 @@ def test_every_block_is_known() -> None:
             assert s.arg.startswith("(") and s.arg.endswith(")"), f"{s.id}: say why, in ()"
 
 
-@pytest.mark.parametrize("s", STANDALONE, ids=[s.id for s in STANDALONE])
+@pytest.mark.parametrize(
+    "s",
+    [
+        pytest.param(s, marks=pytest.mark.framework)
+        if s.kind == "context" and s.arg in IN_A_TRAINER
+        else s
+        for s in STANDALONE
+    ],
+    ids=[s.id for s in STANDALONE],
+)
 def test_snippet(s: Snippet, tmp_path: Path) -> None:
     if s.kind in SKIPS:
         pytest.skip(f"{s.kind} {s.arg}: {s.body.splitlines()[0]}")
