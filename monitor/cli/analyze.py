@@ -49,10 +49,11 @@ def analyze(
     params: PolicyParams,
 ) -> None:
     """Compute every metric and every policy's mask ratio for one batch file."""
+    batch = read_batch(file, nonfinite)  # refused (if it is) before the kernels load
     from ..core.engine import analyze as analyze_batch
     from ..core.jsoncodec import dumps
 
-    row = analyze_batch(read_batch(file, nonfinite), params).to_dict()
+    row = analyze_batch(batch, params).to_dict()
     if json_out:
         sys.stdout.write(dumps(row).decode() + "\n")
         return

@@ -43,9 +43,8 @@ def check_bind(settings: Settings) -> None:
 
 def check_settings(settings: Settings) -> None:
     """The checks that need neither the network nor the store: port range, bind/token, the
-    database URL (parsable, driver installed, SQLite directory writable)."""
-    from ..store.db import check_url
-
+    database URL (parsable, driver installed, SQLite directory writable). The store's
+    libraries load only for the last check, so the others refuse at once."""
     if not 1 <= settings.port <= 65535:
         raise ConfigError(f"port must be 1–65535, got {settings.port}")
     if settings.nonfinite not in ("refuse", "drop"):
@@ -58,6 +57,8 @@ def check_settings(settings: Settings) -> None:
             f"({settings.max_body}): a largest body could never be admitted"
         )
     check_bind(settings)
+    from ..store.db import check_url
+
     check_url(settings.db_url)
 
 
