@@ -110,7 +110,7 @@ if [ "$(cat .venv/installed.sha256 2>/dev/null)" != "$stamp" ]; then
   # the real trainer packages for their plug-ins' tests, without their own requirements (they
   # would replace torch==2.13.0): each with only what its imports need, pinned, in one call
   # (verl, TRL, AReaL's PPO actor, OpenRLHF, skyrl: tests/requirements-*.txt). Before the
-  # linters: mypy reads them (the plug-ins' imports of trl and verl)
+  # linters: mypy must find the plug-ins' imports of trl and verl (it reads them as Any)
   .venv/bin/python -m pip install -q --no-compile --no-deps -r tests/requirements-verl.txt \
     -r tests/requirements-trl.txt -r tests/requirements-areal.txt \
     -r tests/requirements-openrlhf.txt -r tests/requirements-skyrl.txt
@@ -140,9 +140,10 @@ export TIMWATCH_NATIVE=1
 .venv/bin/ruff format --check -q timwatch monitor sidecar dashboards alerts tests benchmarks
 # the packages of [tool.mypy]: timwatch, with its linked sub-packages. Its cache lives outside the
 # clone, like the vLLM venv, one per checkout path: on an empty cache mypy analyses torch,
-# transformers and the trainer packages the plug-ins import (81 s of a fresh clone's CI here,
-# 3 s with the cache). mypy checks each cached module against its source's hash, so a cache
-# left by an earlier commit or another venv is re-read only where it still matches.
+# SQLAlchemy, numpy and the rest of what the code imports (22-26 s here; the trainer packages'
+# trees are read as Any, see [tool.mypy]), 3 s with the cache. mypy checks each cached module
+# against its source's hash, so a cache left by an earlier commit or another venv is re-read
+# only where it still matches.
 MYPY_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/timwatch/mypy-$(pwd -P | sha256sum | cut -c1-12)"
 export MYPY_CACHE_DIR
 .venv/bin/mypy
