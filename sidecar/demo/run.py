@@ -219,7 +219,7 @@ def demo(
         make_console(), steps=steps, db=db, port=port, run=run, hold=hold, live=live,
         engine=engine, precision=precision, lag=lag, batch=batch, max_new_tokens=max_new_tokens,
         updates=updates, lr=lr, seed=seed, threads=threads, rope_dtype=rope_dtype,
-        kv_dtype=kv_cache_dtype, teacher_decay=teacher_decay,
+        kv_cache_dtype=kv_cache_dtype, teacher_decay=teacher_decay,
     )  # fmt: skip
     # The process ends here. Its last garbage collections would walk every object torch, numba
     # and uvicorn made, 3-4 s on two busy cores (measured); frozen objects are not walked, and
@@ -231,11 +231,13 @@ def demo(
 
 def run_demo(
     console: Console, *, steps: int, db: str, port: int, run: str, hold: bool, live: bool,
-    engine: str, vllm_server: VllmProcess | None = None, **train: Any,
+    engine: str, kv_cache_dtype: str | None, vllm_server: VllmProcess | None = None,
+    **train: Any,
 ) -> int:  # fmt: skip
-    """`demo` once its options are checked (``train``: the trainer's, ``kv_cache_dtype`` as
-    ``kv_dtype``); the exit code. ``vllm_server``: a running vLLM for ``engine="vllm"`` to
-    train on instead of starting one (`VllmDemoTrainer`'s ``server``)."""
+    """`demo` once its options are checked (the same names; ``train``: the trainer's); the exit
+    code. ``vllm_server``: a running vLLM for ``engine="vllm"`` to train on instead of starting
+    one (`VllmDemoTrainer`'s ``server``)."""
+    train["kv_dtype"] = kv_cache_dtype
     console.print("warming up: compiling the metric kernels and building the model…")
     started = time.monotonic()
     with ExitStack() as stack:

