@@ -1,11 +1,13 @@
-"""``python -m benchmarks.collapse_lab.entropy DIR… [--json OUT]``: PROTOCOL-entropy.md's table
-and the decisions of PROTOCOL-entropy.md (`decide`) and PROTOCOL-entropy2.md (`decide_state`).
+"""``python -m benchmarks.collapse_lab.entropy DIR… [--candidate FILE --alert NAME] [--json OUT]``:
+PROTOCOL-entropy.md's table and the decisions of PROTOCOL-entropy.md (`decide`) and of
+PROTOCOL-entropy2.md and PROTOCOL-entropy3.md (`decide_state`).
 
 Every lab v1 run under ``DIR/*/`` (``result.json``, ``steps.jsonl``, ``series.jsonl``) is
-replayed through the shipped rules together with lab v2's candidate file (its
-`TimwatchEntropyCollapseCandidate` reads the run's reward scalars; `replay.cached_firings`, so an
-edited rule replays again). A run is *converged* when it did not collapse and its last 20
-steps' mean reward is at least `CONVERGED_REWARD`.
+replayed through the shipped rules together with a candidate file: lab v2's (its
+`TimwatchEntropyCollapseCandidate` reads the run's reward scalars) unless ``--candidate`` names
+another, such as `ENTROPY3` (`replay.cached_firings`, so an edited rule replays again). A run is
+*converged* when it did not collapse and its last 20 steps' mean reward is at least
+`CONVERGED_REWARD`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from benchmarks.collapse_lab.replay import CANDIDATE, RULES, cached_firings
 
 SHIPPED_ALERT = "TimwatchEntropyCollapse"
 CANDIDATE_ALERT = "TimwatchEntropyCollapseCandidate"
+#: PROTOCOL-entropy3.md's candidate file and its alert
+ENTROPY3 = Path(__file__).resolve().parent / "entropy3.rules.yml"
+ENTROPY3_ALERT = "TimwatchEntropyCollapseCandidate3"
 CONVERGED_REWARD = 0.5
 #: the candidate may fire at most this many steps after the shipped rule on a collapsed run
 MAX_DELAY = 10
@@ -41,10 +46,10 @@ def reward_at(rewards: list[float], step: int) -> tuple[float, float]:
     return now / start, now - before
 
 
-def row(rundir: Path) -> dict[str, Any]:
+def row(rundir: Path, candidate: Path = CANDIDATE, alert: str = CANDIDATE_ALERT) -> dict[str, Any]:
     """One run: its outcome and the first step of the shipped and of the candidate rule."""
     result = json.loads((rundir / "result.json").read_text())
-    firings = cached_firings(rundir, (RULES, CANDIDATE))
+    firings = cached_firings(rundir, (RULES, candidate))
     rewards = [json.loads(line)["reward"] for line in (rundir / "steps.jsonl").open()]
     last20 = statistics.fmean(rewards[-20:])
     onset = result["collapse_step"]
@@ -54,7 +59,7 @@ def row(rundir: Path) -> dict[str, Any]:
         "config": result["config"], "seed": result["seed"], "collapse_step": onset,
         "reward_last20": round(last20, 4),
         "converged": onset is None and last20 >= CONVERGED_REWARD,
-        "shipped": shipped, "candidate": _first(firings, CANDIDATE_ALERT),
+        "shipped": shipped, "candidate": _first(firings, alert),
         "reward_gain_at_shipped": None if gain is None else round(gain, 3),
         "reward_change20_at_shipped": None if change is None else round(change, 3),
     }  # fmt: skip
@@ -105,13 +110,19 @@ def decide(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def decide_state(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """PROTOCOL-entropy2.md's three conditions on ``rows``: the candidate as a warning about
     the run's state (silent on converged runs, on at least 3/4 of the collapses at any step)."""
-    collapsed = _groups(rows)[1]
-    cand_coll = sum(r["candidate"] is not None for r in collapsed)
+    converged, collapsed = _groups(rows)
+    fired = [r for r in collapsed if r["candidate"] is not None]
+    neither = [r for r in rows if r not in converged and r not in collapsed]
     return _decision(
         rows,
         "3 at least 3 collapsed runs, the candidate on at least 3/4 of them",
-        len(collapsed) >= 3 and 4 * cand_coll >= 3 * len(collapsed),
-        {"candidate_on_collapsed": cand_coll},
+        len(collapsed) >= 3 and 4 * len(fired) >= 3 * len(collapsed),
+        {
+            "candidate_on_collapsed": len(fired),
+            "of_them_before_onset": sum(r["candidate"] < r["collapse_step"] for r in fired),
+            "neither": len(neither),
+            "candidate_on_neither": sum(r["candidate"] is not None for r in neither),
+        },
     )
 
 
@@ -122,9 +133,11 @@ def _step(x: int | None) -> str:
 def main(
     dirs: Annotated[list[Path], typer.Argument(help="lab v1 output folders (DIR/CONFIG-sSEED/)")],
     json_out: Annotated[Path | None, typer.Option("--json", help="write rows and decision")] = None,
+    candidate: Annotated[Path, typer.Option(help="the candidate rules file")] = CANDIDATE,
+    alert: Annotated[str, typer.Option(help="the candidate's alert")] = CANDIDATE_ALERT,
 ) -> None:
-    """Print PROTOCOL-entropy.md's per-run table and its decision."""
-    rows = [row(p.parent) for d in dirs for p in sorted(d.glob("*/result.json"))]
+    """Print PROTOCOL-entropy.md's per-run table and the protocols' decisions."""
+    rows = [row(p.parent, candidate, alert) for d in dirs for p in sorted(d.glob("*/result.json"))]
     rows.sort(key=lambda r: (r["config"], r["seed"]))
     print("| run | collapse step | last-20 reward | converged | shipped fires | candidate fires |")
     print("|---|---|---|---|---|---|")
@@ -148,7 +161,7 @@ def main(
     decision = decide(rows)
     state = decide_state(rows)
     print("PROTOCOL-entropy.md:", json.dumps(decision, indent=1))
-    print("PROTOCOL-entropy2.md:", json.dumps(state, indent=1))
+    print("PROTOCOL-entropy2.md and -entropy3.md:", json.dumps(state, indent=1))
     if json_out is not None:
         out = {"rows": rows, "decision": decision, "decision_state": state}
         json_out.write_text(json.dumps(out, indent=1) + "\n")

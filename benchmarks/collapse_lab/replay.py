@@ -35,6 +35,10 @@ _SAMPLE = re.compile(r"\{([^}]*)\}\s+([-+0-9.eE]+)")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
+def _paths(rules: Path | Sequence[Path]) -> list[Path]:
+    return [rules] if isinstance(rules, Path) else [Path(r) for r in rules]
+
+
 def _test_file(series: list[dict[str, float]], rules: Path | Sequence[Path]) -> dict[str, Any]:
     names = list(dict.fromkeys(k for snap in series for k in snap))
     inputs = [
@@ -44,7 +48,8 @@ def _test_file(series: list[dict[str, float]], rules: Path | Sequence[Path]) -> 
     end = (len(series) - 1) * MINUTES_PER_STEP
     expr = f'min_over_time(timestamp(ALERTS{{alertstate="firing"}})[{end}m:1m])'
     return {
-        "rule_files": [str(rules)] if isinstance(rules, Path) else [str(r) for r in rules],
+        # absolute: promtool reads rule files relative to the test file, which is in a temp dir
+        "rule_files": [str(r.resolve()) for r in _paths(rules)],
         "evaluation_interval": "1m",
         "tests": [
             {
@@ -71,6 +76,9 @@ def first_firings(
     exe = shutil.which(promtool)
     if exe is None:
         raise RuntimeError("promtool is not installed (apt-get install prometheus)")
+    missing = [str(r) for r in _paths(rules) if not r.is_file()]
+    if missing:  # promtool only warns, and replays without them
+        raise FileNotFoundError(f"no rules file {', '.join(missing)}")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "replay.test.yml"
         path.write_text(yaml.safe_dump(_test_file(series, rules), sort_keys=False))
