@@ -5,7 +5,10 @@ PROTOCOL-entropy2.md and PROTOCOL-entropy3.md (`decide_state`).
 Every lab v1 run under ``DIR/*/`` (``result.json``, ``steps.jsonl``, ``series.jsonl``) is
 replayed through the shipped rules together with a candidate file: lab v2's (its
 `TimwatchEntropyCollapseCandidate` reads the run's reward scalars) unless ``--candidate`` names
-another, such as `ENTROPY3` (`replay.cached_firings`, so an edited rule replays again). A run is
+another, such as `ENTROPY3` (`replay.cached_firings`, so an edited rule replays again). The
+protocols judged their candidates against the rule that read entropy alone: ``--rules`` takes
+that file (``git show 2ddf5b6:alerts/timwatch.rules.yml``), as the shipped rule now holds
+PROTOCOL-entropy3.md's clause. A run is
 *converged* when it did not collapse and its last 20 steps' mean reward is at least
 `CONVERGED_REWARD`.
 """
@@ -46,10 +49,13 @@ def reward_at(rewards: list[float], step: int) -> tuple[float, float]:
     return now / start, now - before
 
 
-def row(rundir: Path, candidate: Path = CANDIDATE, alert: str = CANDIDATE_ALERT) -> dict[str, Any]:
-    """One run: its outcome and the first step of the shipped and of the candidate rule."""
+def row(
+    rundir: Path, candidate: Path = CANDIDATE, alert: str = CANDIDATE_ALERT, rules: Path = RULES
+) -> dict[str, Any]:
+    """One run: its outcome and the first step of the shipped (``rules``) and of the candidate
+    rule."""
     result = json.loads((rundir / "result.json").read_text())
-    firings = cached_firings(rundir, (RULES, candidate))
+    firings = cached_firings(rundir, (rules, candidate))
     rewards = [json.loads(line)["reward"] for line in (rundir / "steps.jsonl").open()]
     last20 = statistics.fmean(rewards[-20:])
     onset = result["collapse_step"]
@@ -126,6 +132,41 @@ def decide_state(rows: list[dict[str, Any]]) -> dict[str, Any]:
     )
 
 
+def plot(rows: list[dict[str, Any]], rundirs: list[Path], path: Path) -> None:
+    """Reward and entropy of the runs in ``rundirs`` (one colour each), with the collapse onset
+    (solid), the old rule's first firing (dotted) and the candidate's (dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_run = {f"{r['config']}-s{r['seed']}": r for r in rows}
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    for i, rundir in enumerate(rundirs):
+        r, c = by_run[rundir.name], f"C{i}"
+        steps = [json.loads(line) for line in (rundir / "steps.jsonl").open()]
+        x = range(len(steps))
+        kind = "converged" if r["converged"] else "collapsed" if r["collapse_step"] else "neither"
+        axes[0].plot(x, [s["reward"] for s in steps], c, lw=0.8, label=f"{rundir.name} ({kind})")
+        axes[1].semilogy(x, [max(s["entropy"], 1e-4) for s in steps], c, lw=0.8)
+        for step, ls in ((r["collapse_step"], "-"), (r["shipped"], ":"), (r["candidate"], "--")):
+            if step is not None:
+                for ax in axes:
+                    ax.axvline(step, color=c, ls=ls, lw=1.2 if ls == "-" else 0.9)
+    axes[0].set_ylabel("reward")
+    axes[1].set_ylabel("entropy (nats)")
+    axes[1].set_xlabel("RL step (= 1 min of Prometheus time)")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title(
+        "collapse lab v1 · solid: collapse onset · dotted: the entropy warning on entropy alone · "
+        "dashed: with the reward (shipped)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def _step(x: int | None) -> str:
     return "–" if x is None else str(x)
 
@@ -135,9 +176,17 @@ def main(
     json_out: Annotated[Path | None, typer.Option("--json", help="write rows and decision")] = None,
     candidate: Annotated[Path, typer.Option(help="the candidate rules file")] = CANDIDATE,
     alert: Annotated[str, typer.Option(help="the candidate's alert")] = CANDIDATE_ALERT,
+    rules: Annotated[
+        Path, typer.Option(help="the rules the candidate is judged against (the shipped ones)")
+    ] = RULES,
+    plot_runs: Annotated[
+        str, typer.Option("--plot", help="comma list of CONFIG-sSEED to plot")
+    ] = "",
+    plot_out: Annotated[Path, typer.Option(help="where --plot writes")] = Path("entropy.png"),
 ) -> None:
     """Print PROTOCOL-entropy.md's per-run table and the protocols' decisions."""
-    rows = [row(p.parent, candidate, alert) for d in dirs for p in sorted(d.glob("*/result.json"))]
+    found = [p.parent for d in dirs for p in sorted(d.glob("*/result.json"))]
+    rows = [row(rundir, candidate, alert, rules) for rundir in found]
     rows.sort(key=lambda r: (r["config"], r["seed"]))
     print("| run | collapse step | last-20 reward | converged | shipped fires | candidate fires |")
     print("|---|---|---|---|---|---|")
@@ -165,6 +214,9 @@ def main(
     if json_out is not None:
         out = {"rows": rows, "decision": decision, "decision_state": state}
         json_out.write_text(json.dumps(out, indent=1) + "\n")
+    if plot_runs:
+        by_name = {rundir.name: rundir for rundir in found}
+        plot(rows, [by_name[n.strip()] for n in plot_runs.split(",")], plot_out)
 
 
 if __name__ == "__main__":
