@@ -2,7 +2,7 @@
 series, replayed with the shipped rules by the real promtool (one step per minute, as the lab
 replays a run): the collapse-risk page needs both an off-policy mismatch and a turning trainer,
 and the candidate entropy alert tells a converged run (reward held at its best) from a falling
-one, where the shipped entropy warning fires on both."""
+one, as the shipped entropy warning now does too (with PROTOCOL-entropy3.md's clause)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def test_entropy_candidate_tells_convergence_from_a_falling_run() -> None:
     grad = [_wiggle(1.0, s) for s in range(STEPS)]
     converged = [min(0.9, 0.3 + 0.01 * s) for s in range(STEPS)]  # reward holds at its best
     fired = _fired(_series(kl, entropy, grad, converged))
-    assert "TimwatchEntropyCollapse" in fired  # the shipped warning cannot tell
+    # nor does the shipped warning since PROTOCOL-entropy3.md (it reads the reward too)
+    assert "TimwatchEntropyCollapse" not in fired
     assert "TimwatchEntropyCollapseCandidate" not in fired
     falling = [0.6 if s < 60 else 0.1 for s in range(STEPS)]
     fired = _fired(_series(kl, entropy, grad, falling))
