@@ -167,6 +167,25 @@ def plot(rows: list[dict[str, Any]], rundirs: list[Path], path: Path) -> None:
     plt.close(fig)
 
 
+def rlwatch_rows(rows: list[dict[str, Any]], rundirs: list[Path]) -> list[dict[str, Any]]:
+    """rlwatch 0.5.1's defaults on each run's step scalars (`v2.rlwatch_replay`, in its own
+    virtualenv): the first step of its entropy detector's warning and critical alert, and of
+    its first critical alert of any detector."""
+    from benchmarks.collapse_lab.v2.evaluate import _rlwatch
+
+    out = []
+    for r, rundir in zip(rows, rundirs, strict=True):
+        first = _rlwatch(rundir)["defaults"]
+        out.append({
+            "config": r["config"], "seed": r["seed"], "converged": r["converged"],
+            "collapse_step": r["collapse_step"],
+            "entropy_warning": first["first"].get("entropy_collapse:warning"),
+            "entropy_critical": first["first"].get("entropy_collapse:critical"),
+            "any_critical": first["first_critical"],
+        })  # fmt: skip
+    return out
+
+
 def _step(x: int | None) -> str:
     return "–" if x is None else str(x)
 
@@ -183,11 +202,14 @@ def main(
         str, typer.Option("--plot", help="comma list of CONFIG-sSEED to plot")
     ] = "",
     plot_out: Annotated[Path, typer.Option(help="where --plot writes")] = Path("entropy.png"),
+    rlwatch_json: Annotated[
+        Path | None, typer.Option(help="run rlwatch's defaults on the runs, write them here")
+    ] = None,
 ) -> None:
     """Print PROTOCOL-entropy.md's per-run table and the protocols' decisions."""
     found = [p.parent for d in dirs for p in sorted(d.glob("*/result.json"))]
+    found.sort(key=lambda p: (p.name.rsplit("-s", 1)[0], int(p.name.rsplit("-s", 1)[1])))
     rows = [row(rundir, candidate, alert, rules) for rundir in found]
-    rows.sort(key=lambda r: (r["config"], r["seed"]))
     print("| run | collapse step | last-20 reward | converged | shipped fires | candidate fires |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -214,6 +236,13 @@ def main(
     if json_out is not None:
         out = {"rows": rows, "decision": decision, "decision_state": state}
         json_out.write_text(json.dumps(out, indent=1) + "\n")
+    if rlwatch_json is not None:
+        rl = rlwatch_rows(rows, found)
+        converged, collapsed = _groups(rl)
+        for name, group in (("converged", converged), ("collapsed", collapsed), ("all", rl)):
+            counts = {k: sum(r[k] is not None for r in group) for k in list(rl[0])[-3:]}
+            print(f"rlwatch defaults on the {len(group)} {name} runs: {counts}")
+        rlwatch_json.write_text(json.dumps(rl, indent=1) + "\n")
     if plot_runs:
         by_name = {rundir.name: rundir for rundir in found}
         plot(rows, [by_name[n.strip()] for n in plot_runs.split(",")], plot_out)

@@ -6,8 +6,9 @@ Runs in rlwatch's own virtualenv (it needs scipy, slack-sdk, …; never a timwat
 ``~/.cache/timwatch/venv-rlwatch-0.5.1/bin/python -m benchmarks.collapse_lab.v2.rlwatch_replay
 DIR…`` with the repository on PYTHONPATH; imports only the standard library and rlwatch.
 Scalars fed per step: entropy, kl_divergence (the run's mismatch k3 of π vs μ), reward_mean,
-reward_std, grad_norm. Writes ``rlwatch.json`` beside each run's ``result.json``: the defaults'
-firings and those of every threshold combination of `GRID` (PROTOCOL.md fixes it).
+reward_std (lab v1's runs have none: not fed), grad_norm; lab v1's run folders work too. Writes
+``rlwatch.json`` beside each run's ``result.json``: the defaults' firings (with each detector's
+first step) and those of every threshold combination of `GRID` (PROTOCOL.md fixes it).
 """
 
 from __future__ import annotations
@@ -36,19 +37,19 @@ def first_alerts(steps: list[dict[str, Any]], combo: tuple[float, float, float] 
         cfg.gradient_norm_spike.sigma_multiplier = combo[2]
     suite = DetectorSuite(cfg)
     crit = warn = None
-    names: set[str] = set()
+    first: dict[str, int] = {}  # "detector:severity" -> its first step
     for s in steps:
         alerts = suite.check_step(
             s["step"], entropy=s["entropy"], kl_divergence=s["mismatch_kl"],
-            reward_mean=s["reward"], reward_std=s["reward_std"], grad_norm=s["grad_norm"],
+            reward_mean=s["reward"], reward_std=s.get("reward_std"), grad_norm=s["grad_norm"],
         )  # fmt: skip
         for a in alerts:
-            names.add(f"{a.detector}:{a.severity}")
+            first.setdefault(f"{a.detector}:{a.severity}", s["step"])
             if warn is None:
                 warn = s["step"]
             if a.severity == "critical" and crit is None:
                 crit = s["step"]
-    return {"first_critical": crit, "first_alert": warn, "alerts": sorted(names)}
+    return {"first_critical": crit, "first_alert": warn, "alerts": sorted(first), "first": first}
 
 
 def main(dirs: list[str]) -> None:
