@@ -24,7 +24,10 @@ class V2Config:
     weights of that many versions ago; ``proximal``: ``current`` (decoupled PPO, π_old the fp32
     recomputation under the current weights; the corrections on π_old/μ then see engine
     mismatch and staleness) or ``behaviour`` (π_old under the rollout's weights, verl's
-    recompute: ρ carries the staleness, the corrections the engine mismatch alone).
+    recompute: ρ carries the staleness, the corrections the engine mismatch alone) or
+    ``rollout`` (no recompute: π_old is the engine's μ, as a trainer that reuses the rollout's
+    log-probs has it, so ρ = π/μ carries the engine mismatch; the corrections compare the fp32
+    recomputation under the rollout's weights with μ).
     ``correction`` on π_old/μ: none, tis (weight min(r, 2)), icepop (drop r outside [0.5, 5]),
     estr (drop δ² > τ(H + 0.01)), all from `timwatch.monitor.core.masks`. ``reward``: a
     `reward.REWARDS` name (``class``: the protocol's)."""
@@ -66,6 +69,13 @@ CONFIGS: dict[str, V2Config] = {
     # int4 weights one version behind, against the fp32 engine at the same lag
     **_family("int4lag1", V2Config("int4lag1", engine="int4", lag=1)),
     "control-lag1": V2Config("control-lag1", engine="fp32", lag=1),
+    # π_old = μ (no recompute): the engine mismatch inside the PPO ratio
+    **_family("int4roll", V2Config("int4roll", engine="int4", proximal="rollout")),
+    **_family(
+        "topkroll", V2Config("topkroll", engine="bf16", top_k=50, top_p=0.9, proximal="rollout")
+    ),
+    **_family("bf16roll", V2Config("bf16roll", engine="bf16", proximal="rollout")),
+    "control-roll": V2Config("control-roll", engine="fp32", proximal="rollout"),
     # the test's miniature: a few steps of a few short sequences
     "mini": V2Config("mini", engine="int4", lag=1, steps=3, prompts=2, group=2, response=8),
 }

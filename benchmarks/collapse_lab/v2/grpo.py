@@ -113,16 +113,20 @@ class V2Trainer:
                     old, h_old = logprobs_and_entropy_from_logits(
                         model(full)[:, p - 1 : -1], tokens
                     )
+        # the corrections compare a trainer recomputation with μ
+        ref, h_ref = old, h_old
+        if cfg.proximal == "rollout":  # no recompute: μ is π_old, the mismatch enters ρ itself
+            old, ref, h_ref = mu.float(), behav, h_behav
         keep = torch.ones_like(mu, dtype=torch.bool)
         weight = torch.ones_like(mu)
         if cfg.correction == "tis":
-            weight = tis_weights(old, mu).float()
-            dropped = float((~tis_keep_mask(old, mu)).float().mean())  # truncated, not dropped
+            weight = tis_weights(ref, mu).float()
+            dropped = float((~tis_keep_mask(ref, mu)).float().mean())  # truncated, not dropped
         else:
             if cfg.correction == "icepop":
-                keep = icepop_keep_mask(old, mu)
+                keep = icepop_keep_mask(ref, mu)
             elif cfg.correction == "estr":
-                keep = estr_keep_mask(old, mu, h_old, tau=cfg.tau)
+                keep = estr_keep_mask(ref, mu, h_ref, tau=cfg.tau)
             dropped = float(1.0 - keep.float().mean())
         pi0 = h0 = None
         grad_norm, clip_frac, loss_v = 0.0, 0.0, 0.0
