@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import typer
 
 from benchmarks.collapse_lab.replay import CANDIDATE, RULES, cached_firings
+from benchmarks.collapse_lab.report import finish_figure
 
 SHIPPED_ALERT = "TimwatchEntropyCollapse"
 CANDIDATE_ALERT = "TimwatchEntropyCollapseCandidate"
@@ -153,18 +154,12 @@ def plot(rows: list[dict[str, Any]], rundirs: list[Path], path: Path) -> None:
             if step is not None:
                 for ax in axes:
                     ax.axvline(step, color=c, ls=ls, lw=1.2 if ls == "-" else 0.9)
-    axes[0].set_ylabel("reward")
-    axes[1].set_ylabel("entropy (nats)")
-    axes[1].set_xlabel("RL step (= 1 min of Prometheus time)")
-    axes[0].legend(fontsize=8)
-    axes[0].set_title(
+    finish_figure(
+        fig, axes, ["reward", "entropy (nats)"],
         "collapse lab v1 · solid: collapse onset · dotted: the entropy warning on entropy alone · "
         "dashed: with the reward (shipped)",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+        path, 90,
+    )  # fmt: skip
 
 
 def rlwatch_rows(rows: list[dict[str, Any]], rundirs: list[Path]) -> list[dict[str, Any]]:

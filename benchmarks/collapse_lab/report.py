@@ -179,6 +179,23 @@ def _shadow_mask(series: list[dict[str, float]], policy: str) -> list[float]:
     return out
 
 
+def finish_figure(
+    fig: Any, axes: Any, ylabels: list[str], title: str, path: Path, dpi: int
+) -> None:
+    """The lab plots' common ending: one y label per panel, the step axis, the legend and
+    ``title`` on the top panel, then the PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    for ax, label in zip(axes, ylabels, strict=True):
+        ax.set_ylabel(label)
+    axes[-1].set_xlabel("RL step (= 1 min of Prometheus time)")
+    axes[0].legend(fontsize=8, ncol=3)
+    axes[0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot(runs: list[dict[str, Any]], source: str, path: Path, seed: int = 0) -> None:
     import matplotlib
 
@@ -210,20 +227,14 @@ def plot(runs: list[dict[str, Any]], source: str, path: Path, seed: int = 0) -> 
             ls = "--" if f["severity"] == "page" else ":"
             for ax in axes:
                 ax.axvline(f["step"], color=c, ls=ls, lw=0.9)
-    axes[0].set_ylabel("reward")
-    axes[1].set_ylabel("grad norm")
-    axes[2].set_ylabel("mismatch k3 KL\n(π current vs μ)")
-    axes[3].set_ylabel("ESTR mask ratio\n(timwatch, shadow)")
-    axes[3].set_xlabel("RL step (= 1 min of Prometheus time)")
-    axes[0].legend(fontsize=8, ncol=3)
-    axes[0].set_title(
+    finish_figure(
+        fig, axes,
+        ["reward", "grad norm", "mismatch k3 KL\n(π current vs μ)",
+         "ESTR mask ratio\n(timwatch, shadow)"],
         f"collapse lab · source {source} · seed {seed} · solid: collapse onset · "
         "dashed: first page · dotted: first firing of each warning",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+        path, 90,
+    )  # fmt: skip
 
 
 def main(

@@ -26,6 +26,7 @@ from typing import Annotated, Any
 import typer
 
 from benchmarks.collapse_lab.replay import CANDIDATE, RULES, cached_firings
+from benchmarks.collapse_lab.report import finish_figure
 
 from .rlwatch_replay import GRID
 
@@ -309,20 +310,12 @@ def plot(runs: list[dict[str, Any]], pick: list[tuple[str, int]], path: Path) ->
             if step is not None:
                 for ax in axes:
                     ax.axvline(step, color=c, ls=ls, lw=0.9)
-    axes[0].set_ylabel("reward")
-    axes[1].set_ylabel("grad norm (pre-clip)")
-    axes[2].set_ylabel("mismatch k3 KL")
-    axes[3].set_ylabel("entropy (nats)")
-    axes[3].set_xlabel("RL step (= 1 min of Prometheus time)")
-    axes[0].legend(fontsize=8)
-    axes[0].set_title(
+    finish_figure(
+        fig, axes, ["reward", "grad norm (pre-clip)", "mismatch k3 KL", "entropy (nats)"],
         "lab v2 · solid: collapse onset · dashed: shipped page · dotted: first shipped warning · "
         "dash-dot: candidate page · dash-dot-dot: rlwatch critical",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+        path, 80,
+    )  # fmt: skip
 
 
 def main(
