@@ -19,7 +19,12 @@ from hypothesis import strategies as st
 
 from benchmarks.collapse_lab.v2.configs import CONFIGS
 from benchmarks.collapse_lab.v2.corpus import Corpus, CorpusConfig
-from benchmarks.collapse_lab.v2.engines import Engine, int4_group_round, processed_logprobs
+from benchmarks.collapse_lab.v2.engines import (
+    Engine,
+    int4_group_round,
+    int4_tensor_round,
+    processed_logprobs,
+)
 from benchmarks.collapse_lab.v2.grpo import V2Trainer
 from benchmarks.collapse_lab.v2.model import LM, ModelConfig
 from benchmarks.collapse_lab.v2.pretrain import PretrainConfig
@@ -125,6 +130,15 @@ def test_int4_groups_have_at_most_15_levels() -> None:
     assert (q - w).abs().max() <= w.abs().max() / 14 + 1e-6  # half a step of the widest group
 
 
+def test_int4_tensor_round_hand_computed() -> None:
+    # one scale for the tensor: max |w| / 7 = 0.1, so every entry rounds to a multiple of 0.1
+    w = torch.tensor([[0.7, 0.26, -0.04], [0.149, -0.35, 0.0]])
+    expected = torch.tensor([[0.7, 0.3, -0.0], [0.1, -0.4, 0.0]])
+    torch.testing.assert_close(int4_tensor_round(w), expected)
+    q = int4_tensor_round(torch.randn(8, 64))
+    assert len(torch.unique(q)) <= 15
+
+
 def test_processed_logprobs_truncate_and_renormalise() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     lp = processed_logprobs(logits, top_k=3, top_p=0.7)
@@ -155,6 +169,8 @@ def test_engines_differ_from_fp32_as_ordered() -> None:
     assert 0 < gap["order"] < 1e-4
     assert gap["bf16"] > 1e-3
     assert gap["fp8"] > gap["bf16"] and gap["int4"] > gap["bf16"]
+    _, mu, pi = _mu_and_pi("int4t")
+    assert float((mu - pi).abs().max()) > gap["int4"]  # one scale per tensor: cruder
     _, mu, pi = _mu_and_pi("bf16", top_k=50, top_p=0.9)
     assert (mu > pi + 0.01).float().mean() > 0.9  # renormalised truncation raises μ
 

@@ -69,6 +69,8 @@ CONFIGS: dict[str, V2Config] = {
     # int4 weights one version behind, against the fp32 engine at the same lag
     **_family("int4lag1", V2Config("int4lag1", engine="int4", lag=1)),
     "control-lag1": V2Config("control-lag1", engine="fp32", lag=1),
+    # int4 with one scale per tensor (lab v1's): a larger engine mismatch than grouped int4
+    **_family("int4t", V2Config("int4t", engine="int4t")),
     # π_old = μ (no recompute): the engine mismatch inside the PPO ratio
     **_family("int4roll", V2Config("int4roll", engine="int4", proximal="rollout")),
     **_family(

@@ -6,9 +6,10 @@ the decode-vs-prefill float order), ``order`` (fp32 whose output head and MLP do
 in a different order, as batch-size-dependent kernels do), ``bf16`` (weights, activations and KV
 cache in bfloat16), ``fp8`` (bf16 engine whose linear weights are rounded to float8 e4m3 with a
 per-tensor scale, as FP8 rollouts do), ``int4`` (bf16 engine whose linear weights are rounded to
-symmetric int4 in groups of 128 inputs, as W4A16 rollouts do). Any kind with ``top_k`` > 0 or
-``top_p`` < 1 samples the top-k then top-p processed distribution and reports its log-probs (as
-engines returning processed log-probs do). Embeddings and norms are never rounded.
+symmetric int4 in groups of 128 inputs, as W4A16 rollouts do), ``int4t`` (the same with one
+scale per tensor, lab v1's int4: far cruder than any shipped W4A16 kernel). Any kind with
+``top_k`` > 0 or ``top_p`` < 1 samples the top-k then top-p processed distribution and reports
+its log-probs (as engines returning processed log-probs do). Embeddings and norms are never rounded.
 Invariant: `Engine.generate` is deterministic given the generator's state.
 """
 
@@ -22,9 +23,11 @@ import torch.nn.functional as F
 
 from .model import LM
 
-__all__ = ["KINDS", "Engine", "fp8_round", "int4_group_round", "processed_logprobs"]
+__all__ = [
+    "KINDS", "Engine", "fp8_round", "int4_group_round", "int4_tensor_round", "processed_logprobs",
+]  # fmt: skip
 
-KINDS = ("fp32", "order", "bf16", "fp8", "int4")
+KINDS = ("fp32", "order", "bf16", "fp8", "int4", "int4t")
 INT4_GROUP = 128
 
 
@@ -41,6 +44,13 @@ def int4_group_round(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     g = w.reshape(rows, -1, min(group, cols))
     scale = g.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 7.0
     return ((g / scale).round().clamp(-7, 7) * scale).reshape(rows, cols)
+
+
+def int4_tensor_round(w: torch.Tensor) -> torch.Tensor:
+    """Symmetric int4 round trip with one scale for the whole tensor: levels −7…7, scale =
+    max |w| / 7."""
+    scale = w.abs().max().clamp(min=1e-12) / 7.0
+    return (w / scale).round().clamp(-7, 7) * scale
 
 
 def processed_logprobs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -73,7 +83,9 @@ class Engine:
         self.model.order_chunks = 4 if kind == "order" else 1
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
-        rnd = {"fp8": fp8_round, "int4": int4_group_round}.get(self.kind)
+        rnd = {"fp8": fp8_round, "int4": int4_group_round, "int4t": int4_tensor_round}.get(
+            self.kind
+        )
         if rnd is not None:
             state = {k: rnd(v) if _linear_weight(k, v) else v for k, v in state.items()}
         self.model.load_state_dict(state)
