@@ -73,6 +73,7 @@ CONFIGS: dict[str, V2Config] = {
     **_family("int4t", V2Config("int4t", engine="int4t")),
     # π_old = μ (no recompute): the engine mismatch inside the PPO ratio
     **_family("int4roll", V2Config("int4roll", engine="int4", proximal="rollout")),
+    **_family("int4troll", V2Config("int4troll", engine="int4t", proximal="rollout")),
     **_family(
         "topkroll", V2Config("topkroll", engine="bf16", top_k=50, top_p=0.9, proximal="rollout")
     ),
