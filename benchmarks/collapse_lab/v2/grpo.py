@@ -1,7 +1,8 @@
 """One GRPO step of lab v2: the engine samples ``group`` responses per corpus prompt with its own
-numerics and (possibly stale) weights; the fp32 trainer recomputes π_old and takes ``updates``
-PPO-clip updates (ε 0.2/0.28, token-mean loss, gradient clipped at ``grad_clip``) with the
-configured correction on π_old/μ; μ, π, H and the rollout weights' fp32 log-probs go to the tap.
+numerics and (possibly stale) weights; the fp32 trainer recomputes π_old (or, with
+``proximal="rollout"``, takes μ as π_old) and takes ``updates`` PPO-clip updates (ε 0.2/0.28,
+token-mean loss, gradient clipped at ``grad_clip``) with the configured correction on a trainer
+recomputation over μ; μ, π, H and the rollout weights' fp32 log-probs go to the tap.
 
 Invariants: the trainer's first-update π and H are what the tap receives as ``logp_train`` and
 ``entropy``; `Health` holds the step's trainer scalars (reward mean/std, the pre-clip gradient
