@@ -108,16 +108,16 @@ class V2Trainer:
                 behav, h_behav = logprobs_and_entropy_from_logits(
                     self.behav(full)[:, p - 1 : -1], tokens
                 )
-                if cfg.proximal == "behaviour":
-                    old, h_old = behav, h_behav
-                else:
+                if cfg.proximal == "current":
                     old, h_old = logprobs_and_entropy_from_logits(
                         model(full)[:, p - 1 : -1], tokens
                     )
-        # the corrections compare a trainer recomputation with μ
+                else:
+                    old, h_old = behav, h_behav
+        # the corrections compare that trainer recomputation with μ
         ref, h_ref = old, h_old
         if cfg.proximal == "rollout":  # no recompute: μ is π_old, the mismatch enters ρ itself
-            old, ref, h_ref = mu.float(), behav, h_behav
+            old = mu.float()
         keep = torch.ones_like(mu, dtype=torch.bool)
         weight = torch.ones_like(mu)
         if cfg.correction == "tis":
