@@ -5,12 +5,11 @@ PROTOCOL-entropy2.md and PROTOCOL-entropy3.md (`decide_state`).
 Every lab v1 run under ``DIR/*/`` (``result.json``, ``steps.jsonl``, ``series.jsonl``) is
 replayed through the shipped rules together with a candidate file: lab v2's (its
 `TimwatchEntropyCollapseCandidate` reads the run's reward scalars) unless ``--candidate`` names
-another, such as `ENTROPY3` (`replay.cached_firings`, so an edited rule replays again). The
-protocols judged their candidates against the rule that read entropy alone: ``--rules`` takes
-that file (``git show 2ddf5b6:alerts/timwatch.rules.yml``), as the shipped rule now holds
-PROTOCOL-entropy3.md's clause. A run is
-*converged* when it did not collapse and its last 20 steps' mean reward is at least
-`CONVERGED_REWARD`.
+another, such as ``entropy3.rules.yml`` (`replay.cached_firings`, so an edited rule replays
+again). The protocols judged their candidates against the rule that read entropy alone:
+``--rules`` takes that file (``git show 2ddf5b6:alerts/timwatch.rules.yml``), as the shipped
+rule now holds PROTOCOL-entropy3.md's clause. A run is *converged* when it did not collapse and
+its last 20 steps' mean reward is at least `CONVERGED_REWARD`.
 """
 
 from __future__ import annotations
@@ -27,9 +26,6 @@ from benchmarks.collapse_lab.report import finish_figure
 
 SHIPPED_ALERT = "TimwatchEntropyCollapse"
 CANDIDATE_ALERT = "TimwatchEntropyCollapseCandidate"
-#: PROTOCOL-entropy3.md's candidate file and its alert
-ENTROPY3 = Path(__file__).resolve().parent / "entropy3.rules.yml"
-ENTROPY3_ALERT = "TimwatchEntropyCollapseCandidate3"
 CONVERGED_REWARD = 0.5
 #: the candidate may fire at most this many steps after the shipped rule on a collapsed run
 MAX_DELAY = 10
@@ -147,7 +143,8 @@ def plot(rows: list[dict[str, Any]], rundirs: list[Path], path: Path) -> None:
         r, c = by_run[rundir.name], f"C{i}"
         steps = [json.loads(line) for line in (rundir / "steps.jsonl").open()]
         x = range(len(steps))
-        kind = "converged" if r["converged"] else "collapsed" if r["collapse_step"] else "neither"
+        collapsed = r["collapse_step"] is not None
+        kind = "converged" if r["converged"] else "collapsed" if collapsed else "neither"
         axes[0].plot(x, [s["reward"] for s in steps], c, lw=0.8, label=f"{rundir.name} ({kind})")
         axes[1].semilogy(x, [max(s["entropy"], 1e-4) for s in steps], c, lw=0.8)
         for step, ls in ((r["collapse_step"], "-"), (r["shipped"], ":"), (r["candidate"], "--")):
@@ -202,9 +199,10 @@ def main(
     ] = None,
 ) -> None:
     """Print PROTOCOL-entropy.md's per-run table and the protocols' decisions."""
-    found = [p.parent for d in dirs for p in sorted(d.glob("*/result.json"))]
-    found.sort(key=lambda p: (p.name.rsplit("-s", 1)[0], int(p.name.rsplit("-s", 1)[1])))
-    rows = [row(rundir, candidate, alert, rules) for rundir in found]
+    runs = [(row(p.parent, candidate, alert, rules), p.parent) for d in dirs
+            for p in d.glob("*/result.json")]  # fmt: skip
+    runs.sort(key=lambda run: (run[0]["config"], run[0]["seed"]))
+    rows, found = [r for r, _ in runs], [rundir for _, rundir in runs]
     print("| run | collapse step | last-20 reward | converged | shipped fires | candidate fires |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -234,8 +232,9 @@ def main(
     if rlwatch_json is not None:
         rl = rlwatch_rows(rows, found)
         converged, collapsed = _groups(rl)
+        fired = ("entropy_warning", "entropy_critical", "any_critical")
         for name, group in (("converged", converged), ("collapsed", collapsed), ("all", rl)):
-            counts = {k: sum(r[k] is not None for r in group) for k in list(rl[0])[-3:]}
+            counts = {k: sum(r[k] is not None for r in group) for k in fired}
             print(f"rlwatch defaults on the {len(group)} {name} runs: {counts}")
         rlwatch_json.write_text(json.dumps(rl, indent=1) + "\n")
     if plot_runs:
